@@ -1,0 +1,185 @@
+"""Blocks, the intrusive free queue and the prefix-cache map.
+
+The free queue is a doubly linked list threaded through the blocks themselves, so a
+cached block touched by a hit leaves the queue in O(1) wherever it sits. Eviction order
+is the queue order: pops take the head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import attrs
+
+from kvprop.errors import AllocatorError
+
+CacheKey = tuple  # (block hash, group id)
+
+
+@attrs.define(slots=True, eq=False)
+class Block:
+    """A physical block. ``key`` is its (hash, group) while it is cached, else None."""
+
+    block_id: int
+    ref_cnt: int = 0
+    key: CacheKey | None = None
+    prev: Block | None = attrs.field(default=None, repr=False)
+    next: Block | None = attrs.field(default=None, repr=False)
+    is_null: bool = False
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks between two sentinels, head = next to be evicted."""
+
+    def __init__(self, blocks: Iterable[Block]):
+        self.head = Block(-1)
+        self.tail = Block(-2)
+        self.head.next, self.tail.prev = self.tail, self.head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self.num_free
+
+    def popleft(self) -> Block:
+        block = self.head.next
+        if block is self.tail:
+            raise AllocatorError("popleft from an empty free queue")
+        self.remove(block)
+        return block
+
+    def remove(self, block: Block) -> None:
+        if block.prev is None or block.next is None:
+            raise AllocatorError(f"block {block.block_id} is not in the free queue")
+        block.prev.next = block.next
+        block.next.prev = block.prev
+        block.prev = block.next = None
+        self.num_free -= 1
+
+    def insert_after(self, anchor: Block, block: Block) -> None:
+        if block.prev is not None or block.next is not None:
+            raise AllocatorError(f"block {block.block_id} is already in the free queue")
+        block.prev, block.next = anchor, anchor.next
+        anchor.next.prev = block
+        anchor.next = block
+        self.num_free += 1
+
+    def append(self, block: Block) -> None:
+        self.insert_after(self.tail.prev, block)
+
+    def appendleft(self, block: Block) -> None:
+        self.insert_after(self.head, block)
+
+    def forward(self) -> Iterator[Block]:
+        block = self.head.next
+        while block is not self.tail and block is not None:
+            yield block
+            block = block.next
+
+    def backward(self) -> Iterator[Block]:
+        block = self.tail.prev
+        while block is not self.head and block is not None:
+            yield block
+            block = block.prev
+
+
+class BlockPool:
+    """All physical blocks of all groups, the free queue and the cache map.
+
+    The cache map holds several blocks under one key: two requests can compute the same
+    prefix before either is cached, and both results stay valid hits.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.is_null = True
+        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.cached: dict[CacheKey, dict[int, Block]] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    def get_cached_block(self, block_hash: int, group_id: int) -> Block | None:
+        entry = self.cached.get((block_hash, group_id))
+        if not entry:
+            return None
+        return next(iter(entry.values()))
+
+    def get_new_blocks(self, n: int) -> list[Block]:
+        if n > self.free_queue.num_free:
+            raise AllocatorError(f"get_new_blocks({n}) with only {self.free_queue.num_free} free blocks")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            if block.ref_cnt != 0:
+                raise AllocatorError(f"block {block.block_id} was in the free queue with ref_cnt {block.ref_cnt}")
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: Block) -> None:
+        if block.key is None:
+            return
+        entry = self.cached.get(block.key)
+        if entry is not None:
+            entry.pop(block.block_id, None)
+            if not entry:
+                del self.cached[block.key]
+        block.key = None
+        self.num_evictions += 1
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        for block in blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered: Iterable[Block]) -> None:
+        """Release one reference each; blocks reaching 0 join the queue.
+
+        Hashless blocks go to the head (nothing can hit them, reuse them first); cached
+        ones go to the tail so hits survive as long as possible. Callers pass a request's
+        blocks in reverse so its chain tail is evicted before its prefix.
+        """
+        anchor = self.free_queue.head
+        for block in ordered:
+            if block.is_null:
+                continue
+            if block.ref_cnt <= 0:
+                raise AllocatorError(f"free of block {block.block_id} with ref_cnt {block.ref_cnt}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.key is None:
+                    self.free_queue.insert_after(anchor, block)
+                    anchor = block
+                else:
+                    self.free_queue.append(block)
+
+    def cache_block(self, block: Block, block_hash: int, group_id: int) -> None:
+        if block.is_null:
+            raise AllocatorError("the null block is never cached")
+        if block.key is not None:
+            raise AllocatorError(
+                f"block {block.block_id} is already cached as {block.key}; caching it again as "
+                f"{(block_hash, group_id)} would give it two identities"
+            )
+        block.key = (block_hash, group_id)
+        self.cached.setdefault(block.key, {})[block.block_id] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every hash; only allowed while no block but the null block is in use."""
+        if self.free_queue.num_free != self.num_blocks - 1:
+            return False
+        for block in self.blocks:
+            block.key = None
+        self.cached.clear()
+        return True

@@ -1,0 +1,107 @@
+"""An external KV tier keyed by block hash, as a KV connector sees it.
+
+It is filled the two ways real tiers are: by offloading blocks once they are computed and
+cached, and by a remote prefill node publishing a whole prefix. It offers tokens beyond
+the local hit, and loads them into the fresh blocks the allocator hands it — at once, or
+asynchronously, where the load later completes or fails.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from kvprop.errors import Violation
+from kvprop.hashing import ROOT_HASH, chain_hashes, fingerprint, prefix_hash
+from kvprop.paged_memory import PagedMemory
+
+
+@attrs.define
+class PendingLoad:
+    request_id: str
+    slots: list
+    values: list
+    block_ids: list  # (group, block id) pairs the load writes
+
+
+class Connector:
+    def __init__(self, mode: str, memory: PagedMemory, block_size: int, num_groups: int):
+        if mode not in ("sync", "async"):
+            raise ValueError(f"Connector mode must be 'sync' or 'async', got {mode!r}")
+        self.mode = mode
+        self.memory = memory
+        self.block_size = block_size
+        self.num_groups = num_groups
+        self.tier: dict[int, dict[int, tuple]] = {}
+        self.pending: dict[str, PendingLoad] = {}
+
+    def offload(self, entries: list[tuple[int, int, int]]) -> None:
+        """Copy computed, cached blocks out: entries are (block hash, group, block id)."""
+        if not entries:
+            return
+        rows = self.memory.data[[e[2] for e in entries]].tolist()
+        for (block_hash, group, _), row in zip(entries, rows):
+            self.tier.setdefault(block_hash, {})[group] = tuple(row)
+
+    def publish_prefix(self, tokens: list[int]) -> int:
+        """A remote prefill node computed ``tokens``: make their full blocks loadable. Returns blocks added."""
+        bs = self.block_size
+        hashes = chain_hashes(tokens, bs)
+        prefix, running = [], ROOT_HASH
+        for token in tokens[: len(hashes) * bs]:
+            running = prefix_hash(running, token)
+            prefix.append(running)
+        for i, block_hash in enumerate(hashes):
+            self.tier[block_hash] = {
+                g: tuple(fingerprint(g, p, prefix[p]) for p in range(i * bs, (i + 1) * bs))
+                for g in range(self.num_groups)
+            }
+        return len(hashes)
+
+    def num_new_matched_tokens(self, request, num_local_computed: int) -> int:
+        """Tokens beyond the local hit this tier can supply; never the last prompt token."""
+        bs = self.block_size
+        i = num_local_computed // bs
+        hashes = request.block_hashes
+        while i < len(hashes):
+            rows = self.tier.get(hashes[i])
+            if rows is None or len(rows) < self.num_groups:
+                break
+            i += 1
+        end = min(i * bs, request.num_tokens - 1)
+        return max(0, end - num_local_computed)
+
+    def start_load(self, request, view, tables, num_local: int, num_external: int) -> None:
+        """Take the blocks allocated for external tokens; each must be the request's alone."""
+        bs = self.block_size
+        slots, values, owned = [], [], []
+        for g, table in enumerate(tables):
+            for index in range(num_local // bs, -(-(num_local + num_external) // bs)):
+                block_id = table[index]
+                if block_id == view.null_block_id:
+                    continue
+                ref_cnt, key = view.ref_cnt(block_id), view.cache_key(block_id)
+                if ref_cnt != 1 or key is not None:
+                    raise Violation(
+                        "connector-handoff",
+                        f"block {block_id} handed to the connector for {request.request_id!r} group {g} is not "
+                        f"exclusively owned (ref_cnt={ref_cnt}, cached as {key})",
+                        blocks=[block_id], requests=[request.request_id], groups=[g],
+                    )
+                owned.append((g, block_id))
+                row = self.tier[request.block_hashes[index]][g]
+                for offset in range(bs):
+                    position = index * bs + offset
+                    if num_local <= position < num_local + num_external:
+                        slots.append(block_id * bs + offset)
+                        values.append(row[offset])
+        load = PendingLoad(request.request_id, slots, values, owned)
+        if self.mode == "sync":
+            self.memory.write(slots, values)
+        else:
+            self.pending[request.request_id] = load
+
+    def finish_load(self, request_id: str, ok: bool) -> PendingLoad:
+        load = self.pending.pop(request_id)
+        if ok:
+            self.memory.write(load.slots, load.values)
+        return load

@@ -1,0 +1,89 @@
+"""Coordinators: one view of all groups for the manager facade.
+
+The coordinator is where cross-group ordering lives. Admission is two-phase: every
+group's hits are touched before any group takes fresh blocks for external tokens, so no
+group's pops can evict a block another group is about to claim as a hit.
+"""
+
+from __future__ import annotations
+
+from kvprop.block_pool import Block, BlockPool
+from kvprop.managers import MANAGER_FOR_SPEC, SingleTypeManager
+from kvprop.specs import AllocatorConfig
+
+
+class KVCacheCoordinator:
+    """Groups that share one pool; the hit length is a fixed point over all groups."""
+
+    def __init__(self, config: AllocatorConfig, pool: BlockPool, manager_for_spec=MANAGER_FOR_SPEC):
+        self.config = config
+        self.pool = pool
+        self.block_size = config.block_size
+        self.managers: list[SingleTypeManager] = [
+            manager_for_spec[type(spec)](spec, pool, g, config.enable_caching) for g, spec in enumerate(config.groups)
+        ]
+
+    def find_longest_cache_hit(self, block_hashes: list[int], max_length: int) -> tuple[tuple[list[Block], ...], int]:
+        """Shrink the candidate length group by group until no group shrinks it further."""
+        length = max_length
+        while True:
+            found = []
+            candidate = length
+            for manager in self.managers:
+                hits = manager.find_longest_cache_hit(block_hashes, candidate)
+                candidate = len(hits) * self.block_size
+                found.append(hits)
+            if candidate == length:
+                return tuple(found), length
+            length = candidate
+
+    def is_admitted(self, request_id: str) -> bool:
+        return any(request_id in m.num_cached_block for m in self.managers)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        for manager in self.managers:
+            manager.remove_skipped_blocks(request_id, num_computed_tokens)
+
+    def count_blocks_to_allocate(self, request_id, num_tokens, hits, total_computed_tokens) -> int:
+        return sum(
+            m.count_blocks_to_allocate(request_id, num_tokens, hits[g], total_computed_tokens)
+            for g, m in enumerate(self.managers)
+        )
+
+    def allocate_new_computed_blocks(self, request_id, hits, num_local: int, num_external: int) -> None:
+        if self.is_admitted(request_id):
+            if any(hits):
+                raise AssertionError(f"admitted request {request_id} cannot take new cache hits")
+            return
+        total = num_local + num_external
+        for g, manager in enumerate(self.managers):
+            manager.add_local_computed_blocks(request_id, hits[g], total)
+        if num_external > 0:
+            for manager in self.managers:
+                manager.allocate_external_computed_blocks(request_id, num_local, num_external)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> tuple[list[Block], ...]:
+        return tuple(m.allocate_new_blocks(request_id, num_tokens) for m in self.managers)
+
+    def cache_blocks(self, request, num_tokens: int) -> None:
+        for manager in self.managers:
+            manager.cache_blocks(request, num_tokens)
+
+    def free(self, request_id: str) -> None:
+        for manager in self.managers:
+            manager.free(request_id)
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in m.req_to_blocks.get(request_id, ())] for m in self.managers)
+
+
+class UnitaryCoordinator(KVCacheCoordinator):
+    """A single group: its own hit is final, no fixed point to find."""
+
+    def find_longest_cache_hit(self, block_hashes, max_length):
+        hits = self.managers[0].find_longest_cache_hit(block_hashes, max_length)
+        return (hits,), len(hits) * self.block_size
+
+
+class HybridCoordinator(KVCacheCoordinator):
+    """Several groups of different attention types sharing one pool."""

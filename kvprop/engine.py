@@ -1,0 +1,345 @@
+"""Requests and the scheduler: the engine that drives an allocator the way a server does.
+
+One ``step`` schedules running requests first (decode or the next prefill chunk),
+preempting the lowest-priority running request when slots run out, then admits waiting
+requests under the token budget, then "executes": writes every computed position's
+fingerprint into paged memory and reads back what each scheduled request attends.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+
+import attrs
+
+from kvprop.connector import Connector
+from kvprop.errors import RequestError, Violation
+from kvprop.hashing import fingerprint
+from kvprop.paged_memory import PagedMemory
+from kvprop.request import Request, Status
+from kvprop.specs import EngineConfig, cdiv
+
+EVENTS = (
+    "cross-group hit + external tokens, hit block at free-queue head",
+    "evicted a cached block",
+    "preemption",
+    "re-hit after preemption",
+    "window skip",
+    "async load failure",
+    "abort during load",
+)
+(EV_CROSS_GROUP, EV_EVICT, EV_PREEMPT, EV_REHIT, EV_SKIP, EV_LOAD_FAIL, EV_ABORT_LOAD) = EVENTS
+
+
+class Hooks:
+    """Where a harness checks state inside a step; the default checks nothing."""
+
+    def before_allocation(self, engine, request):
+        return None
+
+    def after_allocation(self, engine, request, token, result) -> None:
+        pass
+
+    def after_free(self, engine, request) -> None:
+        pass
+
+
+@attrs.define
+class StepReport:
+    scheduled: dict = attrs.field(factory=dict)
+    admitted: list = attrs.field(factory=list)
+    preempted: list = attrs.field(factory=list)
+    finished: list = attrs.field(factory=list)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, allocator, view, device: str | None = None, hooks: Hooks | None = None):
+        self.config = config
+        self.allocator = allocator
+        self.view = view
+        self.specs = config.allocator.groups
+        self.block_size = config.allocator.block_size
+        self.memory = PagedMemory(config.allocator.num_blocks, self.block_size, device)
+        self.hooks = hooks or Hooks()
+        self.connector = (
+            None if config.connector == "off"
+            else Connector(config.connector, self.memory, self.block_size, len(self.specs))
+        )
+        self.registry: dict[int, tuple] = {}
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.loading: dict[str, Request] = {}
+        self.events: Counter = Counter()
+        self.next_id = 0
+        self.num_steps = 0
+
+    # ---- requests -------------------------------------------------------------------
+
+    def max_blocks_needed(self, num_tokens: int) -> int:
+        return len(self.specs) * cdiv(num_tokens + self.config.lookahead, self.block_size)
+
+    def add_request(self, prompt, max_new_tokens: int) -> Request:
+        prompt = list(prompt)
+        if not prompt or any((not isinstance(t, int)) or t < 0 for t in prompt):
+            raise RequestError(f"add_request: prompt must be a non-empty list of token ids >= 0, got {prompt!r}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise RequestError(f"add_request: max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        need = self.max_blocks_needed(len(prompt) + max_new_tokens)
+        usable = self.config.allocator.usable_blocks
+        if need > usable:
+            raise RequestError(
+                f"add_request: a request of {len(prompt)} prompt + {max_new_tokens} new tokens may need {need} blocks "
+                f"({len(self.specs)} groups x ceil(({len(prompt)}+{max_new_tokens}+lookahead {self.config.lookahead})"
+                f"/{self.block_size})) but the pool has only {usable} usable blocks; it could never finish"
+            )
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        request = Request(rid, prompt, max_new_tokens, self.block_size, self.config.vocab, self.next_id, self.registry)
+        self.requests[rid] = request
+        self.waiting.append(request)
+        return request
+
+    def get(self, request_id: str) -> Request:
+        try:
+            return self.requests[request_id]
+        except KeyError:
+            raise RequestError(f"unknown request {request_id!r}; live requests: {sorted(self.requests)}") from None
+
+    def is_admitted(self, request: Request) -> bool:
+        return request.status in (Status.RUNNING, Status.LOADING, Status.ABORTING)
+
+    def _free(self, request: Request) -> None:
+        self.allocator.free(request)
+        self.hooks.after_free(self, request)
+
+    def _retire(self, request: Request, status: Status) -> None:
+        request.status = status
+        del self.requests[request.request_id]
+
+    def abort(self, request_id: str) -> None:
+        request = self.get(request_id)
+        if request.status is Status.LOADING:
+            # The load still writes into the request's blocks: free them when it resolves.
+            request.status = Status.ABORTING
+            self.events[EV_ABORT_LOAD] += 1
+            return
+        if request.status is Status.ABORTING:
+            return
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+            self._free(request)
+        else:
+            self.waiting.remove(request)
+        self._retire(request, Status.ABORTED)
+
+    def finish(self, request_id: str) -> None:
+        """A stop condition hit early (e.g. a stop string): the running request ends now."""
+        request = self.get(request_id)
+        if request.status is not Status.RUNNING:
+            raise RequestError(f"finish: request {request_id!r} is {request.status.value}, only running ones can finish")
+        self.running.remove(request)
+        self._free(request)
+        self._retire(request, Status.FINISHED)
+
+    def preempt(self, request_id: str) -> None:
+        request = self.get(request_id)
+        if request.status is not Status.RUNNING:
+            raise RequestError(f"preempt: request {request_id!r} is {request.status.value}, only running ones can be preempted")
+        self.running.remove(request)
+        self._preempt(request)
+
+    def _preempt(self, request: Request) -> None:
+        self._free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = Status.WAITING
+        self.waiting.appendleft(request)
+        self.events[EV_PREEMPT] += 1
+
+    def reset_prefix_cache(self) -> bool:
+        return self.allocator.reset_prefix_cache()
+
+    # ---- external loads ---------------------------------------------------------------
+
+    def finish_load(self, request_id: str, ok: bool) -> None:
+        """An asynchronous load completes (``ok``) or fails; failure means recompute."""
+        request = self.loading.get(request_id)
+        if request is None:
+            raise RequestError(f"finish_load: no load in flight for {request_id!r}; in flight: {sorted(self.loading)}")
+        load = self.connector.pending[request_id]
+        if ok:
+            self._check_owned(request, load.block_ids, "connector-write-unowned")
+        self.connector.finish_load(request_id, ok)
+        del self.loading[request_id]
+        if request.status is Status.ABORTING:
+            self._free(request)
+            self._retire(request, Status.ABORTED)
+        elif ok:
+            request.num_computed_tokens += request.pending_external
+            self.allocator.cache_blocks(request, request.num_computed_tokens)
+            request.status = Status.RUNNING
+            self.running.append(request)
+        else:
+            self.events[EV_LOAD_FAIL] += 1
+            self._free(request)
+            request.num_computed_tokens = 0
+            request.load_failed = True
+            request.status = Status.WAITING
+            self.waiting.appendleft(request)
+        request.pending_external = 0
+
+    def _check_owned(self, request: Request, block_ids, kind: str) -> None:
+        """Blocks about to be written for ``request`` must still be its own, and only its own."""
+        tables = self.allocator.get_block_ids(request.request_id)
+        for group, block_id in block_ids:
+            table = tables[group] if group < len(tables) else []
+            ref_cnt = self.view.ref_cnt(block_id)
+            if block_id not in table or ref_cnt != 1:
+                raise Violation(
+                    kind,
+                    f"block {block_id} is written for {request.request_id!r} group {group} but "
+                    f"{'is not in its table' if block_id not in table else f'has ref_cnt {ref_cnt}'}",
+                    blocks=[block_id], requests=[request.request_id], groups=[group],
+                )
+
+    def _check_write_target(self, request: Request, group: int, index: int, block_id: int) -> None:
+        """A block being computed into is the writer's alone, unless it is a cached full block
+        of the same prefix (another request may hit it in the same step, before it is written)."""
+        ref_cnt = self.view.ref_cnt(block_id)
+        if ref_cnt == 1:
+            return
+        hashes = request.block_hashes
+        own_key = (hashes[index], group) if index < len(hashes) else None
+        key = self.view.cache_key(block_id)
+        if ref_cnt < 1 or own_key is None or key != own_key:
+            raise Violation(
+                "write-to-shared-block",
+                f"{request.request_id!r} group {group} computes into block {block_id} (index {index}) with "
+                f"ref_cnt {ref_cnt} and cache key {key}, expected its own key {own_key}",
+                blocks=[block_id], requests=[request.request_id], groups=[group],
+            )
+
+    # ---- scheduling -------------------------------------------------------------------
+
+    def _allocate(self, request: Request, num_new_tokens: int, **kwargs):
+        token = self.hooks.before_allocation(self, request)
+        result = self.allocator.allocate_slots(request, num_new_tokens, **kwargs)
+        self.hooks.after_allocation(self, request, token, result)
+        return result
+
+    def step(self) -> StepReport:
+        report = StepReport()
+        budget = self.config.token_budget
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self._allocate(request, n, num_lookahead_tokens=self.config.lookahead) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                report.preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status is Status.RUNNING:
+                report.scheduled[request.request_id] = n
+                budget -= n
+                i += 1
+        if not report.preempted:
+            budget = self._admit(report, budget)
+        self._execute(report)
+        return report
+
+    def _admit(self, report: StepReport, budget: int) -> int:
+        while self.waiting and budget > 0:
+            request = self.waiting[0]
+            hits, num_hit = self.allocator.get_computed_blocks(request)
+            ext = 0
+            if self.connector is not None and not request.load_failed:
+                ext = self.connector.num_new_matched_tokens(request, num_hit)
+            load_async = ext > 0 and self.connector.mode == "async"
+            n = 0 if load_async else min(request.num_tokens - num_hit - ext, budget)
+            self._note_admission_events(request, hits, num_hit, ext, n)
+            result = self._allocate(
+                request, n, num_new_computed_tokens=num_hit, new_computed_blocks=hits,
+                num_lookahead_tokens=self.config.lookahead, num_external_computed_tokens=ext,
+                delay_cache_blocks=ext > 0,
+            )
+            if result is None:
+                break
+            self.waiting.popleft()
+            report.admitted.append(request.request_id)
+            request.num_computed_tokens = num_hit
+            if ext > 0:
+                tables = self.allocator.get_block_ids(request.request_id)
+                self.connector.start_load(request, self.view, tables, num_hit, ext)
+                if load_async:
+                    request.status = Status.LOADING
+                    request.pending_external = ext
+                    self.loading[request.request_id] = request
+                    continue
+                request.num_computed_tokens += ext
+                self.allocator.cache_blocks(request, min(request.num_computed_tokens + n, request.num_tokens))
+            request.status = Status.RUNNING
+            self.running.append(request)
+            report.scheduled[request.request_id] = n
+            budget -= n
+        return budget
+
+    def _note_admission_events(self, request, hits, num_hit, ext, n) -> None:
+        if num_hit and request.num_preemptions:
+            self.events[EV_REHIT] += 1
+        if ext and num_hit and len(hits) > 1:
+            need = self.max_blocks_needed(num_hit + ext + n)
+            head = set(self.view.free_queue_prefix(need))
+            if any(b.block_id in head for group in hits for b in group if hasattr(b, "block_id")):
+                self.events[EV_CROSS_GROUP] += 1
+
+    def _execute(self, report: StepReport) -> None:
+        """Write every newly computed position, read back what each scheduled request attends."""
+        bs = self.block_size
+        slots, values, offload = [], [], []
+        null = self.view.null_block_id
+        for rid, n in report.scheduled.items():
+            request = self.requests[rid]
+            start = request.num_computed_tokens
+            tables = self.allocator.get_block_ids(rid)
+            for g, table in enumerate(tables):
+                if start + n > len(table) * bs:
+                    raise Violation(
+                        "table-too-short",
+                        f"{rid!r} group {g} computes positions [{start}, {start + n}) with only {len(table)} blocks",
+                        requests=[rid], groups=[g],
+                    )
+                for index in range(start // bs, cdiv(start + n, bs)):
+                    block_id = table[index]
+                    if block_id == null:
+                        raise Violation(
+                            "write-to-null-block",
+                            f"{rid!r} group {g} computes into block index {index}, which is the null block",
+                            blocks=[null], requests=[rid], groups=[g],
+                        )
+                    self._check_write_target(request, g, index, block_id)
+                    if (index + 1) * bs <= start + n and self.connector is not None:
+                        key = self.view.cache_key(block_id)
+                        if key is not None:
+                            offload.append((key[0], g, block_id))
+                prefix = request.prefix
+                for p in range(start, start + n):
+                    slots.append(table[p // bs] * bs + p % bs)
+                    values.append(fingerprint(g, p, prefix[p]))
+        self.memory.write(slots, values)
+        if self.connector is not None:
+            self.connector.offload(offload)
+        for rid, n in report.scheduled.items():
+            request = self.requests[rid]
+            request.num_computed_tokens += n
+            if request.num_computed_tokens == request.num_tokens:
+                if request.num_output_tokens + 1 >= request.max_new_tokens:
+                    self.running.remove(request)
+                    self._free(request)
+                    self._retire(request, Status.FINISHED)
+                    report.finished.append(rid)
+                else:
+                    request.append_token(request.next_token())
+        self.num_steps += 1

@@ -1,0 +1,42 @@
+"""Exceptions shared by every layer, so that low modules can raise what high ones catch."""
+
+from __future__ import annotations
+
+
+class KvpropError(Exception):
+    """Base class: every error kvprop raises on purpose."""
+
+
+class ConfigError(KvpropError, ValueError):
+    """A configuration value is out of range; the message names the field and the range."""
+
+
+class AllocatorError(KvpropError):
+    """The allocator was asked for something its contract forbids (e.g. more blocks than free)."""
+
+
+class RequestError(KvpropError, ValueError):
+    """A request is malformed, unknown, or one the allocator can never serve."""
+
+
+class Violation(KvpropError, AssertionError):
+    """An invariant does not hold.
+
+    ``kind`` is a short stable name (the minimiser keeps a candidate only while the same
+    kind still fails); ``blocks``, ``requests`` and ``groups`` name what is involved.
+    """
+
+    def __init__(self, kind: str, message: str, *, blocks=(), requests=(), groups=()):
+        self.kind = kind
+        self.blocks = tuple(blocks)
+        self.requests = tuple(requests)
+        self.groups = tuple(groups)
+        where = []
+        if self.blocks:
+            where.append(f"blocks={list(self.blocks)}")
+        if self.requests:
+            where.append(f"requests={list(self.requests)}")
+        if self.groups:
+            where.append(f"groups={list(self.groups)}")
+        suffix = f" [{', '.join(where)}]" if where else ""
+        super().__init__(f"{kind}: {message}{suffix}")

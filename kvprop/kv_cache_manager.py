@@ -1,0 +1,108 @@
+"""The manager facade: the calls a scheduler makes, shaped like vLLM's ``KVCacheManager``."""
+
+from __future__ import annotations
+
+import attrs
+
+from kvprop.block_pool import BlockPool
+from kvprop.coordinator import HybridCoordinator, KVCacheCoordinator, UnitaryCoordinator
+from kvprop.errors import RequestError
+from kvprop.managers import MANAGER_FOR_SPEC
+from kvprop.specs import AllocatorConfig
+
+
+@attrs.frozen
+class Parts:
+    """The classes an allocator is assembled from; a bug variant swaps one of them."""
+
+    pool: type = BlockPool
+    unitary: type = UnitaryCoordinator
+    hybrid: type = HybridCoordinator
+    managers: dict = attrs.field(factory=lambda: dict(MANAGER_FOR_SPEC))
+
+
+class KVCacheManager:
+    def __init__(self, config: AllocatorConfig, parts: Parts | None = None):
+        parts = parts or Parts()
+        self.config = config
+        self.block_size = config.block_size
+        self.enable_caching = config.enable_caching
+        self.pool: BlockPool = parts.pool(config.num_blocks, config.enable_caching)
+        coordinator_cls = parts.unitary if len(config.groups) == 1 else parts.hybrid
+        self.coordinator: KVCacheCoordinator = coordinator_cls(config, self.pool, parts.managers)
+        self.num_groups = len(config.groups)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free_blocks / (self.config.num_blocks - 1)
+
+    def empty_hits(self):
+        return tuple([] for _ in range(self.num_groups))
+
+    def get_computed_blocks(self, request):
+        """Hit blocks per group and the hit length; never the last token (it must produce logits)."""
+        if not self.enable_caching:
+            return self.empty_hits(), 0
+        return self.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
+
+    def allocate_slots(
+        self,
+        request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks=None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+    ):
+        """Slots for ``num_new_tokens`` (after hits and external tokens), or None if the pool is short.
+
+        A refusal changes nothing but the skipped blocks it freed: the capacity check runs
+        before any hit is touched, and counts hits still in the free queue as taken.
+        """
+        if num_new_tokens < 0 or (num_new_tokens == 0 and num_external_computed_tokens <= 0):
+            raise RequestError(
+                f"allocate_slots: num_new_tokens must be >= 1 (or 0 with num_external_computed_tokens > 0), "
+                f"got num_new_tokens={num_new_tokens}, num_external_computed_tokens={num_external_computed_tokens}"
+            )
+        for name, value in (
+            ("num_new_computed_tokens", num_new_computed_tokens),
+            ("num_lookahead_tokens", num_lookahead_tokens),
+            ("num_external_computed_tokens", num_external_computed_tokens),
+        ):
+            if value < 0:
+                raise RequestError(f"allocate_slots: {name} must be >= 0, got {value}")
+        hits = new_computed_blocks if new_computed_blocks is not None else self.empty_hits()
+        request_id = request.request_id
+        num_local = request.num_computed_tokens + num_new_computed_tokens
+        total_computed = num_local + num_external_computed_tokens
+        num_tokens_need_slot = total_computed + num_new_tokens + num_lookahead_tokens
+
+        self.coordinator.remove_skipped_blocks(request_id, total_computed)
+        needed = self.coordinator.count_blocks_to_allocate(request_id, num_tokens_need_slot, hits, total_computed)
+        if needed > self.pool.num_free_blocks:
+            return None
+        self.coordinator.allocate_new_computed_blocks(request_id, hits, num_local, num_external_computed_tokens)
+        new_blocks = self.coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
+        if self.enable_caching and not delay_cache_blocks:
+            self.coordinator.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
+        return new_blocks
+
+    def cache_blocks(self, request, num_computed_tokens: int) -> None:
+        if self.enable_caching:
+            self.coordinator.cache_blocks(request, num_computed_tokens)
+
+    def free(self, request) -> None:
+        if not self.coordinator.is_admitted(request.request_id):
+            raise RequestError(f"free: request {request.request_id!r} holds no blocks (never admitted, or freed)")
+        self.coordinator.free(request.request_id)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return self.coordinator.get_block_ids(request_id)

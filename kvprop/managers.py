@@ -1,0 +1,168 @@
+"""Per-group managers: each owns one group's block tables and knows its attention type.
+
+The three types differ only in what they may skip (tokens no future token attends) and
+in what counts as a cache hit; allocation, caching and freeing are shared.
+"""
+
+from __future__ import annotations
+
+from kvprop.block_pool import Block, BlockPool
+from kvprop.specs import ChunkedLocal, FullAttention, SlidingWindow, cdiv
+
+
+class SingleTypeManager:
+    """One group's request -> blocks table and request -> leading cached-block count.
+
+    ``num_cached_block`` has an entry exactly while the request is admitted: it is the
+    signal the coordinator's fast path uses to tell an admitted request from a new one.
+    """
+
+    def __init__(self, spec, pool: BlockPool, group_id: int, enable_caching: bool):
+        self.spec = spec
+        self.block_size = spec.block_size
+        self.pool = pool
+        self.group_id = group_id
+        self.enable_caching = enable_caching
+        self.null_block = pool.null_block
+        self.req_to_blocks: dict[str, list[Block]] = {}
+        self.num_cached_block: dict[str, int] = {}
+
+    def find_longest_cache_hit(self, block_hashes: list[int], max_length: int) -> list[Block]:
+        raise NotImplementedError
+
+    def skipped_tokens(self, num_computed_tokens: int) -> int:
+        return self.spec.skipped_tokens(num_computed_tokens)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Replace blocks no future token attends with the null block and free them."""
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        num_skipped = min(self.skipped_tokens(num_computed_tokens) // self.block_size, len(blocks))
+        freed = []
+        for i in range(num_skipped - 1, -1, -1):
+            if blocks[i] is self.null_block:
+                break  # everything before was dropped by an earlier call
+            freed.append(blocks[i])
+            blocks[i] = self.null_block
+        self.pool.free_blocks(freed)
+
+    def count_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, hits: list[Block], total_computed_tokens: int
+    ) -> int:
+        """Free-queue blocks this allocation consumes: new pops plus hits still in the queue."""
+        required = cdiv(num_tokens, self.block_size)
+        table = self.req_to_blocks.get(request_id)
+        if request_id in self.num_cached_block:
+            return max(0, required - len(table))
+        num_skipped = self.skipped_tokens(total_computed_tokens) // self.block_size
+        kept = hits[num_skipped:]
+        evictable = sum(1 for b in kept if b.ref_cnt == 0 and not b.is_null)
+        return max(0, required - max(num_skipped, len(hits))) + evictable
+
+    def add_local_computed_blocks(self, request_id: str, hits: list[Block], total_computed_tokens: int) -> None:
+        """Phase 1 of admission: touch this group's hits and register the request."""
+        if self.req_to_blocks.get(request_id):
+            raise AssertionError(f"request {request_id} already has blocks in group {self.group_id}")
+        num_skipped = self.skipped_tokens(total_computed_tokens) // self.block_size
+        kept = hits[num_skipped:]
+        if self.enable_caching:
+            self.pool.touch(kept)
+        table = [self.null_block] * num_skipped + list(kept)
+        self.req_to_blocks[request_id] = table
+        self.num_cached_block[request_id] = len(table)
+
+    def allocate_external_computed_blocks(self, request_id: str, num_local: int, num_external: int) -> None:
+        """Phase 2 of admission: fresh blocks for tokens an external tier will load."""
+        total = num_local + num_external
+        if min(total - self.skipped_tokens(total), num_external) <= 0:
+            return
+        table = self.req_to_blocks[request_id]
+        n = cdiv(total, self.block_size) - len(table)
+        if n > 0:
+            table.extend(self.pool.get_new_blocks(n))
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[Block]:
+        table = self.req_to_blocks.setdefault(request_id, [])
+        n = cdiv(num_tokens, self.block_size) - len(table)
+        if n <= 0:
+            return []
+        new = self.pool.get_new_blocks(n)
+        table.extend(new)
+        return new
+
+    def cache_blocks(self, request, num_tokens: int) -> None:
+        """Cache the blocks that ``num_tokens`` tokens fill, past those already cached."""
+        num_full = num_tokens // self.block_size
+        num_cached = self.num_cached_block.get(request.request_id, 0)
+        if num_full <= num_cached:
+            return
+        table = self.req_to_blocks[request.request_id]
+        hashes = request.block_hashes
+        for i in range(num_cached, num_full):
+            block = table[i]
+            if block is not self.null_block:
+                self.pool.cache_block(block, hashes[i], self.group_id)
+        self.num_cached_block[request.request_id] = num_full
+
+    def free(self, request_id: str) -> None:
+        table = self.req_to_blocks.pop(request_id, [])
+        self.num_cached_block.pop(request_id, None)
+        self.pool.free_blocks(reversed(table))
+
+
+class FullAttentionManager(SingleTypeManager):
+    def find_longest_cache_hit(self, block_hashes: list[int], max_length: int) -> list[Block]:
+        hits = []
+        for block_hash in block_hashes[: max_length // self.block_size]:
+            block = self.pool.get_cached_block(block_hash, self.group_id)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+
+class SlidingWindowManager(SingleTypeManager):
+    def find_longest_cache_hit(self, block_hashes: list[int], max_length: int) -> list[Block]:
+        """Scan from the right for the last run of blocks that covers a full window.
+
+        Blocks before the run are never attended again, so they become null blocks; a run
+        that starts at block 0 is a hit even when shorter than the window.
+        """
+        need = self.spec.hit_blocks_needed
+        num_blocks = min(max_length // self.block_size, len(block_hashes))
+        found: list[Block | None] = [None] * num_blocks
+        run = 0
+        for i in range(num_blocks - 1, -1, -1):
+            block = self.pool.get_cached_block(block_hashes[i], self.group_id)
+            if block is None:
+                run = 0
+                continue
+            found[i] = block
+            run += 1
+            if run >= need:
+                return [self.null_block] * i + found[i : i + run]
+        return found[:run]
+
+
+class ChunkedLocalManager(SingleTypeManager):
+    def find_longest_cache_hit(self, block_hashes: list[int], max_length: int) -> list[Block]:
+        """Earlier chunks are never attended: they are null; the current chunk must hit from its start."""
+        chunk_start = (max_length // self.spec.chunk) * self.spec.chunk // self.block_size
+        num_blocks = min(max_length // self.block_size, len(block_hashes))
+        if chunk_start > len(block_hashes):
+            return []
+        hits = [self.null_block] * chunk_start
+        for i in range(chunk_start, num_blocks):
+            block = self.pool.get_cached_block(block_hashes[i], self.group_id)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+
+MANAGER_FOR_SPEC = {
+    FullAttention: FullAttentionManager,
+    SlidingWindow: SlidingWindowManager,
+    ChunkedLocal: ChunkedLocalManager,
+}

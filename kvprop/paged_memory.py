@@ -1,0 +1,59 @@
+"""Paged KV memory on a device: one tensor shared by all groups, as physical memory is.
+
+Each computed position stores a fingerprint of (group, position, prefix). Shared prefix
+blocks therefore hold identical data, and a block that is stale, reused, double-owned or
+overwritten reads back wrong. Writes and checks are batched: one scatter, one gather and
+one compare per call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvprop.errors import ConfigError
+
+UNWRITTEN = -1
+
+
+def pick_device(device: str | None = None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} requested but torch sees no CUDA device (torch {torch.__version__})")
+    return torch.device(device)
+
+
+class PagedMemory:
+    def __init__(self, num_blocks: int, block_size: int, device: str | None = None):
+        self.device = pick_device(device)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.data = torch.full((num_blocks, block_size), UNWRITTEN, dtype=torch.int64, device=self.device)
+        self.flat = self.data.view(-1)
+
+    def _index(self, slots) -> torch.Tensor:
+        return torch.as_tensor(slots, dtype=torch.int64, device=self.device)
+
+    def write(self, slots: list[int], values: list[int]) -> None:
+        if slots:
+            self.flat[self._index(slots)] = torch.as_tensor(values, dtype=torch.int64, device=self.device)
+
+    def read(self, slots: list[int]) -> list[int]:
+        if not slots:
+            return []
+        return self.flat[self._index(slots)].tolist()
+
+    def mismatches(self, slots: list[int], expected: list[int]) -> list[int]:
+        """Indices into ``slots`` whose stored value differs from ``expected`` (usually none)."""
+        if not slots:
+            return []
+        got = self.flat[self._index(slots)]
+        bad = got != torch.as_tensor(expected, dtype=torch.int64, device=self.device)
+        if not bool(bad.any()):
+            return []
+        return bad.nonzero().flatten().tolist()
+
+    def row(self, block_id: int) -> list[int]:
+        return self.data[block_id].tolist()

@@ -1,0 +1,77 @@
+"""Requests: tokens, block hashes and fingerprint prefixes, grown as tokens are appended."""
+
+from __future__ import annotations
+
+import enum
+
+from kvprop.hashing import ROOT_HASH, hash_block, prefix_hash
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    LOADING = "loading"  # admitted, external KV still arriving
+    ABORTING = "aborting"  # aborted while loading: blocks held until the load resolves
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+class Request:
+    """A prompt plus the tokens decoded so far.
+
+    ``block_hashes`` covers every full block of ``tokens`` and ``prefix`` holds the rolling
+    hash of every prefix, so the expected fingerprint of any position is O(1). Decoded
+    tokens depend only on the prefix, so requests that share a prefix keep sharing it.
+    """
+
+    __slots__ = (
+        "request_id", "tokens", "num_prompt_tokens", "max_new_tokens", "block_size", "vocab",
+        "block_hashes", "prefix", "num_computed_tokens", "status", "arrival", "num_preemptions",
+        "load_failed", "pending_external", "registry",
+    )
+
+    def __init__(self, request_id, prompt, max_new_tokens, block_size, vocab, arrival=0, registry=None):
+        self.request_id = request_id
+        self.tokens: list[int] = []
+        self.num_prompt_tokens = len(prompt)
+        self.max_new_tokens = max_new_tokens
+        self.block_size = block_size
+        self.vocab = vocab
+        self.block_hashes: list[int] = []
+        self.prefix: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = Status.WAITING
+        self.arrival = arrival
+        self.num_preemptions = 0
+        self.load_failed = False
+        self.pending_external = 0
+        self.registry = registry
+        for token in prompt:
+            self.append_token(token)
+
+    def __repr__(self):
+        return f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, {self.status.value})"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.tokens) - self.num_prompt_tokens
+
+    def append_token(self, token: int) -> None:
+        previous = self.prefix[-1] if self.prefix else ROOT_HASH
+        self.tokens.append(token)
+        self.prefix.append(prefix_hash(previous, token))
+        n = len(self.tokens)
+        if n % self.block_size == 0:
+            parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+            block_hash = hash_block(parent, self.tokens[n - self.block_size :])
+            self.block_hashes.append(block_hash)
+            if self.registry is not None:
+                self.registry.setdefault(block_hash, tuple(self.prefix[n - self.block_size :]))
+
+    def next_token(self) -> int:
+        """The token decoding produces next: a function of the prefix alone."""
+        return (self.prefix[-1] >> 17) % self.vocab

@@ -1,0 +1,134 @@
+"""Attention specs and allocator configuration.
+
+Every value is validated at construction so that a bad configuration fails where it is
+written, with a message that names the field and the allowed range.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from kvprop.errors import ConfigError
+
+MAX_GROUPS = 8
+
+
+def _int_at_least(lo: int, hi: int | None = None):
+    def check(instance, attribute, value):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{type(instance).__name__}.{attribute.name} must be an integer, got {value!r}")
+        if value < lo or (hi is not None and value > hi):
+            allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise ConfigError(f"{type(instance).__name__}.{attribute.name} must be {allowed}, got {value}")
+
+    return check
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@attrs.frozen
+class FullAttention:
+    """Every earlier token is attended: nothing is ever skipped."""
+
+    block_size: int = attrs.field(validator=_int_at_least(1))
+    kind = "full"
+
+    def skipped_tokens(self, num_computed_tokens: int) -> int:
+        return 0
+
+
+@attrs.frozen
+class SlidingWindow:
+    """Token n attends tokens (n - window, n]: earlier tokens are skipped."""
+
+    block_size: int = attrs.field(validator=_int_at_least(1))
+    window: int = attrs.field(validator=_int_at_least(1))
+    kind = "sliding_window"
+
+    def skipped_tokens(self, num_computed_tokens: int) -> int:
+        return max(0, num_computed_tokens - self.window + 1)
+
+    @property
+    def hit_blocks_needed(self) -> int:
+        """Contiguous cached blocks a hit needs to cover the window of its next token."""
+        return cdiv(self.window - 1, self.block_size)
+
+
+@attrs.frozen
+class ChunkedLocal:
+    """Token n attends only the tokens of its own chunk of ``chunk`` tokens."""
+
+    block_size: int = attrs.field(validator=_int_at_least(1))
+    chunk: int = attrs.field(validator=_int_at_least(1))
+    kind = "chunked_local"
+
+    def __attrs_post_init__(self):
+        if self.chunk % self.block_size:
+            raise ConfigError(
+                f"ChunkedLocal.chunk must be a multiple of block_size={self.block_size}, got {self.chunk}"
+            )
+
+    def skipped_tokens(self, num_computed_tokens: int) -> int:
+        return (num_computed_tokens // self.chunk) * self.chunk
+
+
+AttentionSpec = FullAttention | SlidingWindow | ChunkedLocal
+SPEC_TYPES = (FullAttention, SlidingWindow, ChunkedLocal)
+
+
+def _check_groups(instance, attribute, groups):
+    if not isinstance(groups, tuple) or not 1 <= len(groups) <= MAX_GROUPS:
+        raise ConfigError(f"AllocatorConfig.groups must be a tuple of 1 to {MAX_GROUPS} attention specs, got {groups!r}")
+    for i, spec in enumerate(groups):
+        if not isinstance(spec, SPEC_TYPES):
+            raise ConfigError(
+                f"AllocatorConfig.groups[{i}] must be one of FullAttention, SlidingWindow, ChunkedLocal, got {spec!r}"
+            )
+    sizes = {spec.block_size for spec in groups}
+    if len(sizes) != 1:
+        raise ConfigError(
+            f"AllocatorConfig.groups must all have the same block_size (one shared pool), got {sorted(sizes)}"
+        )
+
+
+def _check_bool(instance, attribute, value):
+    if not isinstance(value, bool):
+        raise ConfigError(f"{type(instance).__name__}.{attribute.name} must be True or False, got {value!r}")
+
+
+@attrs.frozen
+class AllocatorConfig:
+    """The allocator's shape: groups sharing one pool of ``num_blocks`` (block 0 is the null block)."""
+
+    groups: tuple = attrs.field(converter=lambda g: tuple(g) if isinstance(g, list) else g, validator=_check_groups)
+    num_blocks: int = attrs.field(validator=_int_at_least(2))
+    enable_caching: bool = attrs.field(default=True, validator=_check_bool)
+
+    @property
+    def block_size(self) -> int:
+        return self.groups[0].block_size
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+
+CONNECTOR_MODES = ("off", "sync", "async")
+
+
+def _check_connector(instance, attribute, value):
+    if value not in CONNECTOR_MODES:
+        raise ConfigError(f"EngineConfig.connector must be one of {list(CONNECTOR_MODES)}, got {value!r}")
+
+
+@attrs.frozen
+class EngineConfig:
+    """The scheduler around the allocator: token budget, lookahead, connector, token alphabet."""
+
+    allocator: AllocatorConfig = attrs.field(validator=attrs.validators.instance_of(AllocatorConfig))
+    token_budget: int = attrs.field(default=64, validator=_int_at_least(1))
+    lookahead: int = attrs.field(default=0, validator=_int_at_least(0, 16))
+    connector: str = attrs.field(default="off", validator=_check_connector)
+    vocab: int = attrs.field(default=4, validator=_int_at_least(1))

@@ -1,0 +1,154 @@
+"""Named bug variants: the allocator with one known bug switched on.
+
+Each is a small, honest change to one step, made by overriding exactly the method where
+the bug lived. The harness proves itself by finding each of them from scratch.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from kvprop.block_pool import BlockPool
+from kvprop.coordinator import HybridCoordinator, UnitaryCoordinator
+from kvprop.engine import Engine
+from kvprop.errors import ConfigError
+from kvprop.kv_cache_manager import KVCacheManager, Parts
+from kvprop.managers import MANAGER_FOR_SPEC, SingleTypeManager, SlidingWindowManager
+from kvprop.request import Status
+from kvprop.specs import EngineConfig, SlidingWindow
+from kvprop.view import AllocatorView
+
+
+class InterleavedExternalAlloc:
+    """The pre-fix loop: each group touches its hits and takes its external blocks in turn,
+    so an earlier group's pops can evict a later group's not-yet-touched hits."""
+
+    def allocate_new_computed_blocks(self, request_id, hits, num_local, num_external):
+        if self.is_admitted(request_id):
+            return
+        for g, manager in enumerate(self.managers):
+            manager.add_local_computed_blocks(request_id, hits[g], num_local + num_external)
+            if num_external > 0:
+                manager.allocate_external_computed_blocks(request_id, num_local, num_external)
+
+
+class InterleavedUnitary(InterleavedExternalAlloc, UnitaryCoordinator):
+    pass
+
+
+class InterleavedHybrid(InterleavedExternalAlloc, HybridCoordinator):
+    pass
+
+
+class TouchBeforeCapacityCheck(KVCacheManager):
+    """Touches the hits first; a refused allocation then leaves them touched."""
+
+    def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
+                       num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=False):
+        if new_computed_blocks is not None and not self.coordinator.is_admitted(request.request_id):
+            for hits in new_computed_blocks:
+                self.pool.touch(hits)
+            result = super().allocate_slots(
+                request, num_new_tokens, num_new_computed_tokens, self.empty_hits(), num_lookahead_tokens,
+                num_external_computed_tokens, delay_cache_blocks,
+            )
+            if result is not None:
+                for g, manager in enumerate(self.coordinator.managers):
+                    table = manager.req_to_blocks[request.request_id]
+                    table[: len(new_computed_blocks[g])] = new_computed_blocks[g]
+                    manager.num_cached_block[request.request_id] = len(new_computed_blocks[g])
+                    del table[len(new_computed_blocks[g]) + len(result[g]) :]
+            return result
+        return super().allocate_slots(
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
+            num_external_computed_tokens, delay_cache_blocks,
+        )
+
+
+class EvictKeepsHashPool(BlockPool):
+    """Eviction clears the block's hash but leaves its entry in the cache map."""
+
+    def _evict(self, block):
+        if block.key is not None:
+            block.key = None
+            self.num_evictions += 1
+
+
+class SwaSkipOffByOne(SlidingWindowManager):
+    """Skips one block more than the window allows."""
+
+    def skipped_tokens(self, num_computed_tokens):
+        skipped = super().skipped_tokens(num_computed_tokens)
+        return skipped + self.block_size if skipped > 0 else 0
+
+
+class HitsRecachedMixin(SingleTypeManager):
+    def add_local_computed_blocks(self, request_id, hits, total_computed_tokens):
+        super().add_local_computed_blocks(request_id, hits, total_computed_tokens)
+        self.num_cached_block[request_id] = 0
+
+
+def _hits_recached_managers():
+    return {spec: type(f"HitsRecached{cls.__name__}", (HitsRecachedMixin, cls), {}) for spec, cls in MANAGER_FOR_SPEC.items()}
+
+
+class FreeDuringAsyncLoad(Engine):
+    """An abort frees a loading request's blocks at once, while the load still writes them."""
+
+    def abort(self, request_id):
+        request = self.get(request_id)
+        if request.status is Status.LOADING:
+            self._free(request)
+            self._retire(request, Status.ABORTED)
+            return
+        super().abort(request_id)
+
+
+@attrs.frozen
+class Variant:
+    name: str
+    bug: str
+    allocator: type = KVCacheManager
+    parts: Parts = attrs.field(factory=Parts)
+    engine: type = Engine
+
+
+VARIANTS = {
+    v.name: v
+    for v in (
+        Variant("interleaved-external-alloc", "per-group touch + external allocation in one loop",
+                parts=Parts(unitary=InterleavedUnitary, hybrid=InterleavedHybrid)),
+        Variant("touch-before-capacity-check", "hit blocks are touched before the capacity check, which then fails",
+                allocator=TouchBeforeCapacityCheck),
+        Variant("evict-keeps-hash", "popping a cached block leaves it in the cache map",
+                parts=Parts(pool=EvictKeepsHashPool)),
+        Variant("swa-skip-off-by-one", "the sliding window skips one block too many",
+                parts=Parts(managers={**MANAGER_FOR_SPEC, SlidingWindow: SwaSkipOffByOne})),
+        Variant("hits-recached", "a newly admitted request's cached-count starts at 0, so its hits are cached again",
+                parts=Parts(managers=_hits_recached_managers())),
+        Variant("free-during-async-load", "aborting a request frees blocks an external load is still writing",
+                engine=FreeDuringAsyncLoad),
+    )
+}
+CORRECT = Variant("correct", "none: the allocator as specified")
+
+
+def get_variant(name: str | None) -> Variant:
+    if name is None or name == CORRECT.name:
+        return CORRECT
+    try:
+        return VARIANTS[name]
+    except KeyError:
+        known = ", ".join([CORRECT.name, *VARIANTS])
+        raise ConfigError(f"unknown variant {name!r}; known variants: {known}") from None
+
+
+def make_allocator(config, variant: str | None = None) -> KVCacheManager:
+    v = get_variant(variant)
+    return v.allocator(config, v.parts)
+
+
+def make_engine(config: EngineConfig, variant: str | None = None, device: str | None = None, hooks=None) -> Engine:
+    v = get_variant(variant)
+    allocator = v.allocator(config.allocator, v.parts)
+    return v.engine(config, allocator, AllocatorView(allocator), device=device, hooks=hooks)

@@ -1,0 +1,71 @@
+"""A read-only view of an allocator's state, the only way invariants look at a target.
+
+Keeping the checks behind this small surface is what lets the same invariants judge
+kvprop's own allocator, its bug variants and an external allocator such as vLLM's.
+"""
+
+from __future__ import annotations
+
+from kvprop.kv_cache_manager import KVCacheManager
+
+
+class AllocatorView:
+    """The view of kvprop's own ``KVCacheManager``."""
+
+    def __init__(self, manager: KVCacheManager):
+        self.manager = manager
+        self.pool = manager.pool
+        self.managers = manager.coordinator.managers
+        self.num_blocks = manager.config.num_blocks
+        self.block_size = manager.block_size
+        self.num_groups = len(self.managers)
+        self.null_block_id = manager.pool.null_block.block_id
+
+    def ref_cnt(self, block_id: int) -> int:
+        return self.pool.blocks[block_id].ref_cnt
+
+    def ref_cnts(self) -> list[int]:
+        return [b.ref_cnt for b in self.pool.blocks]
+
+    def cache_key(self, block_id: int):
+        return self.pool.blocks[block_id].key
+
+    def cache_keys(self) -> list:
+        return [b.key for b in self.pool.blocks]
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.free_queue.num_free
+
+    def free_queue_ids(self) -> list[int]:
+        return [b.block_id for b in self.pool.free_queue.forward()]
+
+    def free_queue_ids_backward(self) -> list[int]:
+        return [b.block_id for b in self.pool.free_queue.backward()]
+
+    def free_queue_prefix(self, n: int) -> list[int]:
+        out = []
+        for block in self.pool.free_queue.forward():
+            if len(out) >= n:
+                break
+            out.append(block.block_id)
+        return out
+
+    def cache_map_items(self):
+        for key, entry in self.pool.cached.items():
+            for block_id in entry:
+                yield key, block_id
+
+    def request_ids(self, group: int):
+        return self.managers[group].req_to_blocks.keys()
+
+    def request_block_ids(self, group: int, request_id: str):
+        table = self.managers[group].req_to_blocks.get(request_id)
+        return None if table is None else [b.block_id for b in table]
+
+    def num_cached_blocks(self, group: int, request_id: str):
+        return self.managers[group].num_cached_block.get(request_id)
+
+    @property
+    def num_evictions(self) -> int:
+        return self.pool.num_evictions
