@@ -37,7 +37,7 @@ class Hooks:
     def before_allocation(self, engine, request):
         return None
 
-    def after_allocation(self, engine, request, token, result) -> None:
+    def after_allocation(self, engine, request, token, result, computed: int) -> None:
         pass
 
     def after_free(self, engine, request) -> None:
@@ -66,6 +66,7 @@ class Engine:
             else Connector(config.connector, self.memory, self.block_size, len(self.specs))
         )
         self.registry: dict[int, tuple] = {}
+        self._expected_rows: dict = {}
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -73,6 +74,24 @@ class Engine:
         self.events: Counter = Counter()
         self.next_id = 0
         self.num_steps = 0
+
+    # ---- what correct data looks like ---------------------------------------------------
+
+    def own_cache_key(self, request: Request, index: int, group: int):
+        """The cache key block ``index`` of ``request`` must carry in ``group`` once cached."""
+        return (request.block_hashes[index], group)
+
+    def expected_cached_row(self, key):
+        """(first position, fingerprints) a block cached under ``key`` must hold, if the hash is known."""
+        row = self._expected_rows.get(key)
+        if row is None:
+            known = self.registry.get(key[0])
+            if known is None:
+                return None
+            index, prefix = known
+            start = index * self.block_size
+            row = self._expected_rows[key] = (start, [fingerprint(key[1], start + j, h) for j, h in enumerate(prefix)])
+        return row
 
     # ---- requests -------------------------------------------------------------------
 
@@ -225,11 +244,18 @@ class Engine:
     def _allocate(self, request: Request, num_new_tokens: int, **kwargs):
         token = self.hooks.before_allocation(self, request)
         result = self.allocator.allocate_slots(request, num_new_tokens, **kwargs)
-        self.hooks.after_allocation(self, request, token, result)
+        computed = (
+            request.num_computed_tokens + kwargs.get("num_new_computed_tokens", 0)
+            + kwargs.get("num_external_computed_tokens", 0)
+        )
+        if result is not None and any(spec.skipped_tokens(computed) >= self.block_size for spec in self.specs):
+            self.events[EV_SKIP] += 1
+        self.hooks.after_allocation(self, request, token, result, computed)
         return result
 
     def step(self) -> StepReport:
         report = StepReport()
+        evictions = getattr(self.view, "num_evictions", 0)
         budget = self.config.token_budget
         i = 0
         while i < len(self.running) and budget > 0:
@@ -248,6 +274,8 @@ class Engine:
         if not report.preempted:
             budget = self._admit(report, budget)
         self._execute(report)
+        if getattr(self.view, "num_evictions", 0) > evictions:
+            self.events[EV_EVICT] += 1
         return report
 
     def _admit(self, report: StepReport, budget: int) -> int:

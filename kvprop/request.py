@@ -70,7 +70,7 @@ class Request:
             block_hash = hash_block(parent, self.tokens[n - self.block_size :])
             self.block_hashes.append(block_hash)
             if self.registry is not None:
-                self.registry.setdefault(block_hash, tuple(self.prefix[n - self.block_size :]))
+                self.registry.setdefault(block_hash, (n // self.block_size - 1, tuple(self.prefix[n - self.block_size :])))
 
     def next_token(self) -> int:
         """The token decoding produces next: a function of the prefix alone."""
