@@ -1,0 +1,124 @@
+"""The Hypothesis state machine: thin rules over the shared operation alphabet.
+
+Requests live in the engine and are picked by drawn index, not held in consumed bundles,
+which shrinks far better. The configuration is drawn per test case in ``configure`` (the
+swarm: Hypothesis varies which rules run, the sampler varies the allocator's shape).
+"""
+
+from __future__ import annotations
+
+from hypothesis import event, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
+
+from kvprop import operations as ops
+
+
+class HypothesisChooser:
+    def __init__(self, draw):
+        self.draw = draw
+
+    def integer(self, lo: int, hi: int) -> int:
+        return self.draw(st.integers(lo, hi))
+
+    def pick(self, options):
+        return self.draw(st.sampled_from(options))
+
+
+@st.composite
+def configs(draw):
+    return ops.sample_config(HypothesisChooser(draw))
+
+
+def operation(op_class) -> st.SearchStrategy:
+    return st.builds(op_class, **{name: st.integers(lo, hi) for name, (lo, hi) in op_class.ARGS.items()})
+
+
+class KVCacheMachine(RuleBasedStateMachine):
+    """Drives kvprop's engine over the allocator of ``target``/``variant``; checks every invariant after every rule."""
+
+    variant: str | None = None
+    target: str | None = None
+    device: str | None = None
+    events_seen: set = set()
+    failures: list = []
+
+    def __init__(self):
+        super().__init__()
+        self.harness: ops.Harness | None = None
+        self.steps: list = []
+        self.failed = False
+        self.reported: set = set()
+
+    @initialize(config=configs())
+    def configure(self, config):
+        self.harness = ops.Harness(config, variant=self.variant, target=self.target, device=self.device)
+
+    def run(self, op) -> None:
+        self.steps.append(op)
+        try:
+            self.harness.apply(op)
+        except BaseException as e:
+            self.failed = True
+            type(self).failures.append((len(self.steps), e))
+            raise
+        for name in self.harness.engine.events:
+            if name not in self.reported:
+                self.reported.add(name)
+                type(self).events_seen.add(name)
+                event(name)
+
+    @rule(op=operation(ops.AddRequest))
+    def add_request(self, op):
+        self.run(op)
+
+    @rule(op=operation(ops.AddLargeRequest))
+    def add_large_request(self, op):
+        self.run(op)
+
+    @rule(op=operation(ops.Step))
+    def step(self, op):
+        self.run(op)
+
+    @rule(op=operation(ops.PublishPrefix))
+    def publish_prefix(self, op):
+        self.run(op)
+
+    @rule(op=operation(ops.FinishLoad))
+    def finish_load(self, op):
+        self.run(op)
+
+    @rule(op=operation(ops.Preempt))
+    def preempt(self, op):
+        self.run(op)
+
+    @rule(op=operation(ops.Abort))
+    def abort(self, op):
+        self.run(op)
+
+    @rule(op=operation(ops.Finish))
+    def finish(self, op):
+        self.run(op)
+
+    @rule(op=operation(ops.ResetPrefixCache))
+    def reset_prefix_cache(self, op):
+        self.run(op)
+
+    def teardown(self):
+        if self.harness is None or self.failed:
+            return
+        try:
+            self.harness.drain()
+        except BaseException as e:
+            type(self).failures.append((len(self.steps) + 1, e))
+            raise
+
+
+def machine_for(variant: str | None = None, target: str | None = None, device: str | None = None) -> type:
+    """A machine class bound to one allocator, with its own event and failure records."""
+    from kvprop.variants import get_variant
+
+    get_variant(variant)
+    name = f"KVCacheMachine_{(variant or target or 'correct').replace('-', '_').replace(':', '_').replace('.', '_')}"
+    return type(name, (KVCacheMachine,), {
+        "variant": variant, "target": target, "device": device, "events_seen": set(), "failures": [],
+    })

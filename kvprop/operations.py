@@ -1,0 +1,263 @@
+"""The operation alphabet and the configuration sampler, shared by every driver.
+
+The state machine (CI, shrinking) and the seeded walker (long fuzzing) both draw a
+configuration with ``sample_config`` and apply these operations to a ``Harness``; a trace
+is a configuration plus a list of operations. Arguments are small integers — indices and
+seeds, never big data — so that both shrinkers can reduce them toward zero.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+
+from kvprop.checker import Checker, drain
+from kvprop.errors import RequestError
+from kvprop.request import Status
+from kvprop.specs import AllocatorConfig, ChunkedLocal, EngineConfig, FullAttention, SlidingWindow
+
+# ---- configuration sampler --------------------------------------------------------------
+
+
+class RandomChooser:
+    """Choices from a ``random.Random`` (the walker)."""
+
+    def __init__(self, rng):
+        self.rng = rng
+
+    def integer(self, lo: int, hi: int) -> int:
+        return self.rng.randint(lo, hi)
+
+    def pick(self, options):
+        return options[self.rng.randrange(len(options))]
+
+
+BLOCK_SIZES = (1, 2, 4, 3, 8, 16)
+CONNECTORS = ("off", "sync", "async")
+
+
+def sample_config(choose) -> EngineConfig:
+    """A small allocator shape: small pools and few tokens so prefixes collide and the pool cycles."""
+    bs = choose.pick(BLOCK_SIZES)
+    groups = []
+    for _ in range(choose.integer(1, 3)):
+        kind = choose.pick(("full", "sliding_window", "chunked_local"))
+        if kind == "full":
+            groups.append(FullAttention(bs))
+        elif kind == "sliding_window":
+            groups.append(SlidingWindow(bs, choose.integer(1, 4 * bs)))
+        else:
+            groups.append(ChunkedLocal(bs, bs * choose.integer(1, 4)))
+    num_blocks = choose.integer(max(4, 1 + 3 * len(groups)), choose.pick((16, 32, 64)))
+    return EngineConfig(
+        allocator=AllocatorConfig(tuple(groups), num_blocks, enable_caching=choose.integer(0, 7) > 0),
+        token_budget=choose.integer(1, 64),
+        lookahead=choose.integer(0, 2),
+        connector=choose.pick(CONNECTORS),
+        vocab=4,
+    )
+
+
+# ---- operations -------------------------------------------------------------------------
+
+
+def _fresh_tokens(seed: int, n: int, vocab: int) -> list[int]:
+    state = seed * 2654435761 + 12345
+    out = []
+    for _ in range(n):
+        state = (state * 1103515245 + 12345) & 0x7FFFFFFF
+        out.append((state >> 16) % vocab)
+    return out
+
+
+@attrs.frozen
+class AddRequest:
+    """A new request: ``keep`` tokens of an earlier prompt, then ``extra`` fresh ones."""
+
+    parent: int
+    keep: int
+    extra: int
+    seed: int
+    max_new_tokens: int
+    ARGS: ClassVar = {"parent": (0, 7), "keep": (0, 48), "extra": (1, 12), "seed": (0, 3), "max_new_tokens": (1, 6)}
+
+    def apply(self, h: Harness) -> str:
+        return h.add_request(h.derive_tokens(self.parent, self.keep, self.extra, self.seed), self.max_new_tokens)
+
+
+@attrs.frozen
+class AddLargeRequest:
+    """Pool pressure: an earlier prompt extended to the largest request the pool can hold."""
+
+    parent: int
+    seed: int
+    ARGS: ClassVar = {"parent": (0, 7), "seed": (0, 3)}
+
+    def apply(self, h: Harness) -> str:
+        cfg = h.engine.config
+        per_group = cfg.allocator.usable_blocks // len(cfg.allocator.groups)
+        total = per_group * cfg.allocator.block_size - cfg.lookahead
+        if total < 2:
+            return "no request fits this pool"
+        base = h.derive_tokens(self.parent, total, 0, self.seed)
+        prompt = base + _fresh_tokens(self.seed, total - 1 - len(base), cfg.vocab)
+        return h.add_request(prompt[: total - 1], 1)
+
+
+@attrs.frozen
+class Step:
+    """``times`` engine steps (schedule, preempt, admit, execute), every invariant checked after each."""
+
+    times: int
+    ARGS: ClassVar = {"times": (1, 8)}
+
+    def apply(self, h: Harness) -> str:
+        out = []
+        for i in range(self.times):
+            if i:
+                h.checker.check_all(h.engine)
+            report = h.engine.step()
+            out.append(f"scheduled {report.scheduled} admitted {report.admitted} "
+                       f"preempted {report.preempted} finished {report.finished}")
+        return "; ".join(out)
+
+
+@attrs.frozen
+class PublishPrefix:
+    """A remote prefill node computes a prefix: the connector can now supply its blocks."""
+
+    parent: int
+    keep: int
+    extra: int
+    seed: int
+    ARGS: ClassVar = {"parent": (0, 7), "keep": (0, 48), "extra": (0, 12), "seed": (0, 3)}
+
+    def apply(self, h: Harness) -> str:
+        if h.engine.connector is None:
+            return "no connector"
+        tokens = h.derive_tokens(self.parent, self.keep, self.extra, self.seed)
+        h.prompts.append(tokens)
+        return f"published {h.engine.connector.publish_prefix(tokens)} blocks of {tokens}"
+
+
+@attrs.frozen
+class FinishLoad:
+    """An asynchronous external load completes (ok) or fails."""
+
+    index: int
+    ok: int
+    ARGS: ClassVar = {"index": (0, 7), "ok": (0, 1)}
+
+    def apply(self, h: Harness) -> str:
+        loading = sorted(h.engine.loading)
+        if not loading:
+            return "no load in flight"
+        rid = loading[self.index % len(loading)]
+        h.engine.finish_load(rid, bool(self.ok))
+        return f"load of {rid} {'completed' if self.ok else 'failed'}"
+
+
+def _pick(ids, index):
+    return ids[index % len(ids)] if ids else None
+
+
+@attrs.frozen
+class Preempt:
+    """The scheduler preempts a running request (as for a higher-priority arrival)."""
+
+    index: int
+    ARGS: ClassVar = {"index": (0, 7)}
+
+    def apply(self, h: Harness) -> str:
+        rid = _pick([r.request_id for r in h.engine.running], self.index)
+        if rid is None:
+            return "nothing running"
+        h.engine.preempt(rid)
+        return f"preempted {rid}"
+
+
+@attrs.frozen
+class Abort:
+    """A client disconnects: abort any live request, whatever its state."""
+
+    index: int
+    ARGS: ClassVar = {"index": (0, 7)}
+
+    def apply(self, h: Harness) -> str:
+        rid = _pick(sorted(h.engine.requests), self.index)
+        if rid is None:
+            return "no live request"
+        h.engine.abort(rid)
+        return f"aborted {rid}"
+
+
+@attrs.frozen
+class Finish:
+    """A running request hits a stop condition early."""
+
+    index: int
+    ARGS: ClassVar = {"index": (0, 7)}
+
+    def apply(self, h: Harness) -> str:
+        rid = _pick([r.request_id for r in h.engine.running], self.index)
+        if rid is None:
+            return "nothing running"
+        h.engine.finish(rid)
+        return f"finished {rid}"
+
+
+@attrs.frozen
+class ResetPrefixCache:
+    """An operator resets the prefix cache (refused while blocks are in use)."""
+
+    ARGS: ClassVar = {}
+
+    def apply(self, h: Harness) -> str:
+        return f"reset_prefix_cache -> {h.engine.reset_prefix_cache()}"
+
+
+OPERATIONS = (AddRequest, AddLargeRequest, Step, PublishPrefix, FinishLoad, Preempt, Abort, Finish, ResetPrefixCache)
+OPERATION_BY_NAME = {op.__name__: op for op in OPERATIONS}
+
+
+# ---- the harness both drivers apply operations to ---------------------------------------
+
+
+class Harness:
+    """An engine, its checker and the prompts seen so far; ``apply`` checks every invariant."""
+
+    def __init__(self, config: EngineConfig, variant: str | None = None, device: str | None = None,
+                 checks: bool = True, target=None):
+        from kvprop.targets import make_engine
+
+        self.config = config
+        self.checker = Checker(enabled=checks)
+        self.engine = make_engine(config, variant=variant, target=target, device=device, hooks=self.checker)
+        self.prompts: list[list[int]] = []
+
+    def derive_tokens(self, parent: int, keep: int, extra: int, seed: int) -> list[int]:
+        base = self.prompts[parent % len(self.prompts)][:keep] if self.prompts else []
+        return base + _fresh_tokens(seed + 31 * len(base), extra, self.config.vocab)
+
+    def add_request(self, prompt: list[int], max_new_tokens: int) -> str:
+        try:
+            request = self.engine.add_request(prompt, max_new_tokens)
+        except RequestError as e:
+            return f"rejected: {e}"
+        self.prompts.append(prompt)
+        return f"{request.request_id} = {prompt} (+{max_new_tokens} new)"
+
+    def apply(self, op) -> str:
+        outcome = op.apply(self)
+        self.checker.check_all(self.engine)
+        return outcome
+
+    def drain(self) -> int:
+        return drain(self.engine, self.checker)
+
+    def live_summary(self) -> str:
+        states = {s: 0 for s in Status}
+        for r in self.engine.requests.values():
+            states[r.status] += 1
+        return ", ".join(f"{s.value}={n}" for s, n in states.items() if n)
