@@ -237,7 +237,9 @@ class Harness:
         self.prompts: list[list[int]] = []
 
     def derive_tokens(self, parent: int, keep: int, extra: int, seed: int) -> list[int]:
-        base = self.prompts[parent % len(self.prompts)][:keep] if self.prompts else []
+        """``keep`` tokens of the ``parent``-th most recent prompt, then ``extra`` fresh ones:
+        counting from the most recent makes chains of shared prefixes (A, A+x, A+x+y) common."""
+        base = self.prompts[-1 - parent % len(self.prompts)][:keep] if self.prompts else []
         return base + _fresh_tokens(seed + 31 * len(base), extra, self.config.vocab)
 
     def add_request(self, prompt: list[int], max_new_tokens: int) -> str:

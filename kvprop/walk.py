@@ -1,0 +1,53 @@
+"""The fast seeded swarm walker: the same operations and checks as the state machine,
+without Hypothesis's per-step cost.
+
+Each run draws its configuration, its operation weights (some operations switched off)
+and its operations from its seed alone, so a run is reproducible from the seed and the
+kvprop version.
+"""
+
+from __future__ import annotations
+
+import random
+
+import attrs
+
+from kvprop.operations import OPERATIONS, RandomChooser, Step, AddRequest, sample_config
+from kvprop.trace import Failure, Trace, execute
+
+WEIGHT_CHOICES = (0, 1, 2, 4)
+
+
+def plan(seed: int, max_ops: int = 200) -> Trace:
+    """The trace a walk with ``seed`` runs: configuration, swarm weights, operations."""
+    rng = random.Random(seed)
+    config = sample_config(RandomChooser(rng))
+    weights = [rng.choice(WEIGHT_CHOICES) for _ in OPERATIONS]
+    for must in (Step, AddRequest):
+        weights[OPERATIONS.index(must)] = rng.choice((2, 4, 8))
+    steps = []
+    for _ in range(rng.randint(max_ops // 4, max_ops)):
+        op = rng.choices(OPERATIONS, weights)[0]
+        steps.append(op(**{k: rng.randint(lo, hi) for k, (lo, hi) in op.ARGS.items()}))
+    return Trace(config=config, steps=tuple(steps), seed=seed, engine="walk")
+
+
+@attrs.frozen
+class WalkResult:
+    trace: Trace
+    failure: Failure | None
+    steps_run: int
+    events: frozenset
+
+
+def run_walk(seed: int, variant=None, target=None, device=None, max_ops: int = 200, checks: bool = True) -> WalkResult:
+    trace = attrs.evolve(plan(seed, max_ops), variant=variant, target=target)
+    events = set()
+    count = [0]
+
+    def on_step(i, op, outcome):
+        count[0] += 1
+
+    failure = execute(trace, variant=variant, target=target, device=device, on_step=on_step, checks=checks,
+                      events=events)
+    return WalkResult(trace, failure, count[0] + (failure is not None), frozenset(events))
