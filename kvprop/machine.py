@@ -8,7 +8,7 @@ swarm: Hypothesis varies which rules run, the sampler varies the allocator's sha
 from __future__ import annotations
 
 from hypothesis import event, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from kvprop import operations as ops
 
@@ -41,6 +41,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     device: str | None = None
     events_seen: set = set()
     failures: list = []
+    counters: dict = {"examples": 0, "steps": 0}
 
     def __init__(self):
         super().__init__()
@@ -51,15 +52,21 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     @initialize(config=configs())
     def configure(self, config):
+        type(self).counters["examples"] += 1
         self.harness = ops.Harness(config, variant=self.variant, target=self.target, device=self.device)
+
+    def record_failure(self, error: BaseException, at_drain: bool) -> None:
+        """Keep what failed as a plain trace: (config, operations, error, failed in the drain)."""
+        type(self).failures.append((self.harness.config, tuple(self.steps), error, at_drain))
 
     def run(self, op) -> None:
         self.steps.append(op)
+        type(self).counters["steps"] += 1
         try:
             self.harness.apply(op)
         except BaseException as e:
             self.failed = True
-            type(self).failures.append((len(self.steps), e))
+            self.record_failure(e, at_drain=False)
             raise
         for name in self.harness.engine.events:
             if name not in self.reported:
@@ -79,22 +86,28 @@ class KVCacheMachine(RuleBasedStateMachine):
     def step(self, op):
         self.run(op)
 
+    # Preconditions only skip rules that would be no-ops, so every drawn step does something.
+    @precondition(lambda self: self.harness.engine.connector is not None)
     @rule(op=operation(ops.PublishPrefix))
     def publish_prefix(self, op):
         self.run(op)
 
+    @precondition(lambda self: bool(self.harness.engine.loading))
     @rule(op=operation(ops.FinishLoad))
     def finish_load(self, op):
         self.run(op)
 
+    @precondition(lambda self: bool(self.harness.engine.running))
     @rule(op=operation(ops.Preempt))
     def preempt(self, op):
         self.run(op)
 
+    @precondition(lambda self: bool(self.harness.engine.requests))
     @rule(op=operation(ops.Abort))
     def abort(self, op):
         self.run(op)
 
+    @precondition(lambda self: bool(self.harness.engine.running))
     @rule(op=operation(ops.Finish))
     def finish(self, op):
         self.run(op)
@@ -109,7 +122,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         try:
             self.harness.drain()
         except BaseException as e:
-            type(self).failures.append((len(self.steps) + 1, e))
+            self.record_failure(e, at_drain=True)
             raise
 
 
@@ -121,4 +134,11 @@ def machine_for(variant: str | None = None, target: str | None = None, device: s
     name = f"KVCacheMachine_{(variant or target or 'correct').replace('-', '_').replace(':', '_').replace('.', '_')}"
     return type(name, (KVCacheMachine,), {
         "variant": variant, "target": target, "device": device, "events_seen": set(), "failures": [],
+        "counters": {"examples": 0, "steps": 0},
     })
+
+
+def shrunk_length(machine: type) -> int:
+    """Rule steps in the last (shrunk) failing example, the final drain counted as one."""
+    _, steps, _, at_drain = machine.failures[-1]
+    return len(steps) + at_drain

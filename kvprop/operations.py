@@ -73,17 +73,17 @@ def _fresh_tokens(seed: int, n: int, vocab: int) -> list[int]:
 
 @attrs.frozen
 class AddRequest:
-    """A new request: ``keep`` tokens of an earlier prompt, then ``extra`` fresh ones."""
+    """A new request: an earlier prompt less its last ``cut`` tokens, then ``extra`` fresh ones."""
 
     parent: int
-    keep: int
+    cut: int
     extra: int
     seed: int
     max_new_tokens: int
-    ARGS: ClassVar = {"parent": (0, 7), "keep": (0, 48), "extra": (1, 12), "seed": (0, 3), "max_new_tokens": (1, 6)}
+    ARGS: ClassVar = {"parent": (0, 7), "cut": (0, 48), "extra": (1, 12), "seed": (0, 3), "max_new_tokens": (1, 6)}
 
     def apply(self, h: Harness) -> str:
-        return h.add_request(h.derive_tokens(self.parent, self.keep, self.extra, self.seed), self.max_new_tokens)
+        return h.add_request(h.derive_tokens(self.parent, self.cut, self.extra, self.seed), self.max_new_tokens)
 
 
 @attrs.frozen
@@ -100,7 +100,7 @@ class AddLargeRequest:
         total = per_group * cfg.allocator.block_size - cfg.lookahead
         if total < 2:
             return "no request fits this pool"
-        base = h.derive_tokens(self.parent, total, 0, self.seed)
+        base = h.derive_tokens(self.parent, 0, 0, self.seed)[: total - 1]
         prompt = base + _fresh_tokens(self.seed, total - 1 - len(base), cfg.vocab)
         return h.add_request(prompt[: total - 1], 1)
 
@@ -128,15 +128,15 @@ class PublishPrefix:
     """A remote prefill node computes a prefix: the connector can now supply its blocks."""
 
     parent: int
-    keep: int
+    cut: int
     extra: int
     seed: int
-    ARGS: ClassVar = {"parent": (0, 7), "keep": (0, 48), "extra": (0, 12), "seed": (0, 3)}
+    ARGS: ClassVar = {"parent": (0, 7), "cut": (0, 48), "extra": (0, 32), "seed": (0, 3)}
 
     def apply(self, h: Harness) -> str:
         if h.engine.connector is None:
             return "no connector"
-        tokens = h.derive_tokens(self.parent, self.keep, self.extra, self.seed)
+        tokens = h.derive_tokens(self.parent, self.cut, self.extra, self.seed)
         h.prompts.append(tokens)
         return f"published {h.engine.connector.publish_prefix(tokens)} blocks of {tokens}"
 
@@ -236,10 +236,12 @@ class Harness:
         self.engine = make_engine(config, variant=variant, target=target, device=device, hooks=self.checker)
         self.prompts: list[list[int]] = []
 
-    def derive_tokens(self, parent: int, keep: int, extra: int, seed: int) -> list[int]:
-        """``keep`` tokens of the ``parent``-th most recent prompt, then ``extra`` fresh ones:
-        counting from the most recent makes chains of shared prefixes (A, A+x, A+x+y) common."""
-        base = self.prompts[-1 - parent % len(self.prompts)][:keep] if self.prompts else []
+    def derive_tokens(self, parent: int, cut: int, extra: int, seed: int) -> list[int]:
+        """The ``parent``-th most recent prompt less its last ``cut`` tokens, then ``extra`` fresh
+        ones: counting from the most recent makes chains of shared prefixes (A, A+x, A+x+y) common,
+        and ``cut=0`` (what shrinking tends to) shares the whole parent."""
+        source = self.prompts[-1 - parent % len(self.prompts)] if self.prompts else []
+        base = source[: max(0, len(source) - cut)]
         return base + _fresh_tokens(seed + 31 * len(base), extra, self.config.vocab)
 
     def add_request(self, prompt: list[int], max_new_tokens: int) -> str:

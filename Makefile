@@ -1,0 +1,47 @@
+# Every target sets itself up: the first use creates .venv and installs kvprop into it.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kvprop-installed
+FUZZ_SECONDS ?= 180
+FUZZ_ARGS ?=
+PROFILE ?= ci
+
+.PHONY: all setup test fuzz repro bench bench-quick lint clean vllm-env test-vllm
+
+all: test
+
+$(STAMP): setup.cfg pyproject.toml constraints.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "installing kvprop and its dependencies into $(VENV) (torch is the CPU build, see constraints.txt)"
+	@$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[redis,lint]' 2>&1 \
+		| grep -v "is ignored: it is neither a file nor a directory" || true
+	@$(BIN)/python -c "import kvprop, torch, hypothesis; print('kvprop', kvprop.__version__, '| torch', torch.__version__, '| hypothesis', hypothesis.__version__)"
+	@touch $@
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	KVPROP_PROFILE=$(PROFILE) $(BIN)/python -m pytest
+
+fuzz: $(STAMP)
+	$(BIN)/kvprop fuzz --seconds $(FUZZ_SECONDS) $(FUZZ_ARGS)
+
+repro: $(STAMP)
+	@status=0; found=0; \
+	for f in counterexamples/*.json; do \
+		[ -e "$$f" ] || { echo "no traces under counterexamples/"; break; }; \
+		found=1; $(BIN)/kvprop replay "$$f" || status=1; \
+	done; exit $$status
+
+bench: $(STAMP)
+	$(BIN)/kvprop bench
+
+bench-quick: $(STAMP)
+	$(BIN)/kvprop bench --quick
+
+lint: $(STAMP)
+	$(BIN)/ruff check kvprop tests bench
+
+clean:
+	rm -rf $(VENV) .hypothesis *.egg-info

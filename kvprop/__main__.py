@@ -1,0 +1,5 @@
+import sys
+
+from kvprop.cli import main
+
+sys.exit(main())

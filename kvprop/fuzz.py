@@ -1,0 +1,204 @@
+"""``kvprop fuzz``: worker processes searching until the budget ends or a failure.
+
+Each worker runs one engine — the seeded walker (fast) or the Hypothesis state machine
+(its heuristics, saving to the example database) — over disjoint seeds. The parent prints
+a status line at least every 2 s; on a failure it stops the workers, minimises, prints
+the steps and writes a trace file and a pytest regression test.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import sys
+import time
+from pathlib import Path
+
+import attrs
+
+from kvprop import regress, trace as tr
+from kvprop.engine import EVENTS
+from kvprop.minimise import minimise
+from kvprop.trace import Failure, Trace, failure_kind
+
+ENGINES = ("walk", "hypothesis")
+REPORT_EVERY = 0.5
+STATUS_EVERY = 2.0
+
+
+@attrs.frozen
+class FuzzOptions:
+    seconds: float = 60.0
+    workers: int = 1
+    seed: int = 0
+    engine: str = "walk"
+    variant: str | None = None
+    target: str | None = None
+    device: str | None = None
+    out: Path = Path("counterexamples")
+    max_ops: int = 200
+    minimise: bool = True
+
+
+@attrs.frozen
+class FuzzResult:
+    found: Trace | None
+    minimised: Trace | None
+    runs: int
+    steps: int
+    seconds: float
+    events: frozenset
+    seconds_to_find: float | None = None
+
+
+# ---- workers ------------------------------------------------------------------------------
+
+
+def _walk_worker(index: int, opts: FuzzOptions, out, stop) -> None:
+    from kvprop.walk import run_walk
+
+    seed, runs, steps, events, last = opts.seed + index, 0, 0, set(), time.monotonic()
+    while not stop.is_set():
+        result = run_walk(seed, opts.variant, opts.target, opts.device, opts.max_ops)
+        runs, steps = runs + 1, steps + result.steps_run
+        events |= result.events
+        if result.failure is not None:
+            out.put(("progress", runs, steps, events))
+            out.put(("failure", tr.to_dict(attrs.evolve(result.trace, failure=result.failure))))
+            return
+        if time.monotonic() - last >= REPORT_EVERY:
+            out.put(("progress", runs, steps, events))
+            runs, steps, events, last = 0, 0, set(), time.monotonic()
+        seed += opts.workers
+    out.put(("progress", runs, steps, events))
+
+
+def _hypothesis_worker(index: int, opts: FuzzOptions, out, stop) -> None:
+    from hypothesis import seed as hseed, settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from kvprop import profiles
+    from kvprop.machine import machine_for
+
+    profiles.load("fuzz")
+    machine = machine_for(opts.variant, opts.target, opts.device)
+    s = opts.seed + index
+    while not stop.is_set():
+        before = dict(machine.counters)
+        try:
+            run_state_machine_as_test(hseed(s)(machine), settings=settings(settings.default, max_examples=25))
+        except BaseException as e:  # noqa: BLE001 - any failure of the machine is a finding
+            config, steps, error, at_drain = machine.failures[-1] if machine.failures else (None, (), e, False)
+            _progress(out, machine, before)
+            if config is None:
+                out.put(("crash", f"{type(e).__name__}: {e}"))
+                return
+            found = Trace(config=config, steps=steps, variant=opts.variant, target=opts.target, seed=s,
+                          engine="hypothesis", failure=Failure(len(steps) - (not at_drain), failure_kind(error), str(error)))
+            out.put(("failure", tr.to_dict(found)))
+            return
+        _progress(out, machine, before)
+        s += opts.workers
+
+
+def _progress(out, machine, before) -> None:
+    out.put(("progress", machine.counters["examples"] - before["examples"],
+             machine.counters["steps"] - before["steps"], set(machine.events_seen)))
+
+
+def _worker(index, opts, out, stop):
+    try:
+        (_walk_worker if opts.engine == "walk" else _hypothesis_worker)(index, opts, out, stop)
+    except KeyboardInterrupt:
+        pass
+    except BaseException as e:  # noqa: BLE001 - report, never hang the parent
+        out.put(("crash", f"worker {index}: {type(e).__name__}: {e}"))
+
+
+# ---- the parent ---------------------------------------------------------------------------
+
+
+def search(opts: FuzzOptions, status=None) -> FuzzResult:
+    """Run workers until the budget ends or one finds a failure (``status`` gets status lines)."""
+    ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    out, stop = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_worker, args=(i, opts, out, stop), daemon=True) for i in range(opts.workers)]
+    start = time.monotonic()
+    for p in procs:
+        p.start()
+    runs = steps = 0
+    events: set = set()
+    found = None
+    found_at = None
+    last_status = start
+    crash = None
+    try:
+        while True:
+            elapsed = time.monotonic() - start
+            if elapsed >= opts.seconds or found is not None or crash is not None:
+                break
+            if not any(p.is_alive() for p in procs) and out.empty():
+                break
+            try:
+                msg = out.get(timeout=min(0.25, max(0.01, opts.seconds - elapsed)))
+            except queue_mod.Empty:
+                msg = None
+            if msg is not None:
+                if msg[0] == "progress":
+                    runs, steps = runs + msg[1], steps + msg[2]
+                    events |= msg[3]
+                elif msg[0] == "failure":
+                    found, found_at = tr.from_dict(msg[1]), time.monotonic() - start
+                elif msg[0] == "crash":
+                    crash = msg[1]
+            if status and time.monotonic() - last_status >= STATUS_EVERY:
+                last_status = time.monotonic()
+                status(_status_line(time.monotonic() - start, runs, steps, events, found))
+    finally:
+        stop.set()
+        deadline = time.monotonic() + 5
+        for p in procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.terminate()
+        while True:
+            try:
+                msg = out.get_nowait()
+            except (queue_mod.Empty, OSError, ValueError):
+                break
+            if msg[0] == "progress":
+                runs, steps = runs + msg[1], steps + msg[2]
+                events |= msg[3]
+            elif msg[0] == "failure" and found is None:
+                found, found_at = tr.from_dict(msg[1]), time.monotonic() - start
+    if crash is not None and found is None:
+        raise RuntimeError(f"a fuzz worker crashed: {crash}")
+    elapsed = time.monotonic() - start
+    if status:
+        status(_status_line(elapsed, runs, steps, events, found))
+    minimised = None
+    if found is not None and opts.minimise:
+        minimised = minimise(found, variant=opts.variant, target=opts.target, device=opts.device)
+    return FuzzResult(found, minimised, runs, steps, elapsed, frozenset(events), found_at)
+
+
+def _status_line(elapsed, runs, steps, events, found) -> str:
+    rate = steps / elapsed if elapsed > 0 else 0.0
+    return (f"[{elapsed:7.1f}s] runs {runs:,} | steps {steps:,} | {rate:,.0f} steps/s | "
+            f"failures {int(found is not None)} | events {len(events & set(EVENTS))}/{len(EVENTS)}")
+
+
+def write_counterexample(trace: Trace, out: Path) -> tuple[Path, Path]:
+    """The trace file and its generated regression test, named after the violation."""
+    out.mkdir(parents=True, exist_ok=True)
+    name = regress.test_name(trace)
+    trace_path = out / f"{name}.json"
+    test_path = out / f"test_{name}.py"
+    tr.save(trace, trace_path)
+    test_path.write_text(regress.render(trace, source=trace_path.name))
+    return trace_path, test_path
+
+
+def default_workers() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))

@@ -1,0 +1,135 @@
+"""kvprop's own trace minimiser, for what the walker finds.
+
+Delta debugging over the operations, then simpler arguments, then a simpler
+configuration, keeping a candidate only while it still fails with the same kind of
+violation, until no single removal or simplification fails any more.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from kvprop.errors import ConfigError
+from kvprop.specs import AllocatorConfig, FullAttention
+from kvprop.trace import Failure, Trace, execute
+
+
+class Minimiser:
+    def __init__(self, trace: Trace, kind: str, variant=None, target=None, device=None, max_replays: int = 20_000):
+        self.best = trace
+        self.kind = kind
+        self.variant, self.target, self.device = variant, target, device
+        self.replays = 0
+        self.max_replays = max_replays
+
+    def fails(self, candidate: Trace) -> Failure | None:
+        """The candidate's failure if it is of the same kind, else None."""
+        if self.replays >= self.max_replays:
+            return None
+        self.replays += 1
+        try:
+            failure = execute(candidate, variant=self.variant, target=self.target, device=self.device)
+        except ConfigError:
+            return None
+        return failure if failure is not None and failure.kind == self.kind else None
+
+    def accept(self, candidate: Trace) -> bool:
+        failure = self.fails(candidate)
+        if failure is None:
+            return False
+        steps = candidate.steps[: failure.step + 1]  # nothing after the failure matters
+        self.best = attrs.evolve(candidate, steps=steps, failure=failure)
+        return True
+
+    def run(self) -> Trace:
+        if not self.accept(self.best):
+            raise ValueError(f"the trace does not fail with {self.kind!r}; nothing to minimise")
+        while True:
+            size = (len(self.best.steps), self._weight(self.best))
+            self.remove_steps()
+            self.simplify_arguments()
+            self.simplify_config()
+            if (len(self.best.steps), self._weight(self.best)) >= size:
+                return self.best
+
+    @staticmethod
+    def _weight(trace: Trace) -> int:
+        a = trace.config.allocator
+        return (sum(v for op in trace.steps for v in attrs.astuple(op)) + a.num_blocks + 10 * len(a.groups)
+                + trace.config.token_budget + trace.config.lookahead)
+
+    def remove_steps(self) -> None:
+        """ddmin: remove chunks, halving the chunk size down to single operations."""
+        chunk = max(1, len(self.best.steps) // 2)
+        while chunk >= 1:
+            i = 0
+            while i < len(self.best.steps):
+                steps = self.best.steps
+                if self.accept(self.best.with_steps(steps[:i] + steps[i + chunk :])):
+                    continue
+                i += chunk
+            chunk //= 2
+
+    def simplify_arguments(self) -> None:
+        for i in range(len(self.best.steps)):
+            if i >= len(self.best.steps):
+                break
+            op = self.best.steps[i]
+            for name, (lo, _) in type(op).ARGS.items():
+                for value in _smaller(getattr(self.best.steps[i], name), lo):
+                    steps = list(self.best.steps)
+                    steps[i] = attrs.evolve(steps[i], **{name: value})
+                    if self.accept(self.best.with_steps(steps)):
+                        break
+
+    def simplify_config(self) -> None:
+        for config in _simpler_configs(self.best.config):
+            self.accept(attrs.evolve(self.best, config=config))
+
+
+def _smaller(value: int, lo: int):
+    """Candidates below ``value``, simplest first."""
+    seen = set()
+    for v in (lo, value // 2, value - 1):
+        if lo <= v < value and v not in seen:
+            seen.add(v)
+            yield v
+
+
+def _simpler_configs(config):
+    a = config.allocator
+    groups = a.groups
+    candidates = []
+    if len(groups) > 1:
+        candidates += [groups[:i] + groups[i + 1 :] for i in range(len(groups))]
+    candidates += [tuple(FullAttention(g.block_size) if g.kind != "full" else g for g in groups)]
+    for new_groups in candidates:
+        yield attrs.evolve(config, allocator=attrs.evolve(a, groups=new_groups))
+    for n in _smaller(a.num_blocks, 2):
+        yield attrs.evolve(config, allocator=AllocatorConfig(a.groups, n, a.enable_caching))
+    for budget in _smaller(config.token_budget, 1):
+        yield attrs.evolve(config, token_budget=budget)
+    if config.lookahead:
+        yield attrs.evolve(config, lookahead=0)
+    if config.connector == "async":
+        yield attrs.evolve(config, connector="sync")
+    if config.connector != "off":
+        yield attrs.evolve(config, connector="off")
+    for g, spec in enumerate(groups):
+        for field in ("window", "chunk"):
+            value = getattr(spec, field, None)
+            if value is None:
+                continue
+            for smaller in _smaller(value, spec.block_size if field == "chunk" else 1):
+                if field == "chunk" and smaller % spec.block_size:
+                    continue
+                new = groups[:g] + (attrs.evolve(spec, **{field: smaller}),) + groups[g + 1 :]
+                yield attrs.evolve(config, allocator=attrs.evolve(a, groups=new))
+
+
+def minimise(trace: Trace, variant=None, target=None, device=None) -> Trace:
+    """The smallest trace found that fails like ``trace`` (which must fail)."""
+    first = execute(trace, variant=variant, target=target, device=device)
+    if first is None:
+        raise ValueError("the trace passes; nothing to minimise")
+    return Minimiser(trace, first.kind, variant, target, device).run()

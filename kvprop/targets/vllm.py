@@ -1,0 +1,346 @@
+"""vLLM's own v1 ``KVCacheManager`` as a kvprop target.
+
+kvprop's engine drives vLLM's allocator exactly as it drives its own: the allocator
+wrapper turns each kvprop request into a vLLM ``Request`` (hashed by vLLM's own block
+hasher) and forwards the manager-facade calls; the view reads vLLM's block pool,
+coordinator and per-group managers and reports them in kvprop's terms. vLLM stays
+untouched: nothing is patched, only read.
+
+Two translations make the shared invariants apply unchanged:
+
+- cache keys: vLLM keys a cached block by its own 32-byte chained hash plus the group id;
+  the view reports (kvprop's hash of the same block, group id), from the pairs recorded
+  whenever a request's block hashes grow (same tokens, same block size, same index);
+- calls: only keyword arguments the installed vLLM's signatures accept are passed
+  (checked with ``inspect.signature``), so the same code drives every release that keeps
+  these calls; one it cannot drive is a ``ConfigError`` that says why.
+
+Needs vLLM importable (CPU is enough: the allocator is pure Python). Build an
+environment with ``make vllm-env VLLM_VERSION=0.24.0`` (``scripts/vllm-env.sh``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+from types import SimpleNamespace
+
+from kvprop.errors import ConfigError
+from kvprop.specs import AllocatorConfig, ChunkedLocal, FullAttention, SlidingWindow
+
+INSTALL_HINT = (
+    "build a CPU-only vLLM environment with `make vllm-env VLLM_VERSION=0.24.0` "
+    "(scripts/vllm-env.sh VERSION DIR) and run kvprop with that environment's python"
+)
+
+_VLLM = None
+
+
+def _import_vllm() -> SimpleNamespace:
+    """vLLM's allocator API, imported once; a missing vLLM is a ConfigError that says how to install it."""
+    global _VLLM
+    if _VLLM is not None:
+        return _VLLM
+    # vLLM logs a warning for every refused reset_prefix_cache; requests warns about an
+    # optional dependency at import. Neither is a finding. A user's own settings win.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            import torch
+            import vllm
+            from vllm.sampling_params import SamplingParams
+            from vllm.utils.hashing import sha256
+            from vllm.v1 import kv_cache_interface
+            from vllm.v1.core import kv_cache_utils
+            from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+            from vllm.v1.request import Request
+        except ImportError as e:
+            raise ConfigError(f"target 'vllm' needs vLLM importable, but importing it failed ({e}); {INSTALL_HINT}") from e
+    # vLLM's block hasher chains from NONE_HASH, which must be set once per process
+    # before the first Request is built (else NameError); keep one set by someone else.
+    if not hasattr(kv_cache_utils, "NONE_HASH"):
+        kv_cache_utils.init_none_hash(sha256)
+    _VLLM = SimpleNamespace(
+        version=vllm.__version__, torch=torch, SamplingParams=SamplingParams, sha256=sha256,
+        kvi=kv_cache_interface, kvu=kv_cache_utils, KVCacheBlocks=KVCacheBlocks,
+        KVCacheManager=KVCacheManager, Request=Request,
+    )
+    return _VLLM
+
+
+def make_target(config: AllocatorConfig):
+    """The target factory: vLLM's allocator for ``config`` and the view the invariants read."""
+    allocator = VllmAllocator(config)
+    return allocator, VllmView(allocator)
+
+
+# ---- configuration --------------------------------------------------------------------
+
+
+def _accepted(fn) -> dict:
+    """Parameter name -> default of ``fn`` (``inspect.Parameter.empty`` when required)."""
+    return {name: p.default for name, p in inspect.signature(fn).parameters.items() if name != "self"}
+
+
+def _call_kwargs(what: str, params: dict, kwargs: dict) -> dict:
+    """The keyword arguments ``params`` accepts; dropping one is fine only at its neutral value."""
+    out = {}
+    for name, value in kwargs.items():
+        if name in params:
+            out[name] = value
+        elif value not in (None, 0, False):
+            raise ConfigError(
+                f"target 'vllm': the installed vLLM's {what} has no parameter {name!r}, "
+                f"so it cannot be asked for {name}={value!r}"
+            )
+    return out
+
+
+def vllm_specs(config: AllocatorConfig, v) -> list:
+    """kvprop's groups as vLLM KV cache specs, one group per kvprop group, same order.
+
+    vLLM's hybrid coordinator looks groups with equal specs up together (as real models
+    with several identical sliding-window groups are) and needs at least two distinct
+    specs; when every kvprop group is the same spec, each gets its own head size, which
+    only tells the groups apart (the allocator never reads it)."""
+    distinct = len(config.groups) > 1 and len(set(config.groups)) == 1
+    specs = []
+    for g, spec in enumerate(config.groups):
+        common = dict(block_size=spec.block_size, num_kv_heads=1, head_size=1 + g if distinct else 1,
+                      dtype=v.torch.float32)
+        if isinstance(spec, FullAttention):
+            specs.append(v.kvi.FullAttentionSpec(**common))
+        elif isinstance(spec, SlidingWindow):
+            specs.append(v.kvi.SlidingWindowSpec(**common, sliding_window=spec.window))
+        elif isinstance(spec, ChunkedLocal):
+            specs.append(v.kvi.ChunkedLocalAttentionSpec(**common, attention_chunk_size=spec.chunk))
+        else:
+            raise ConfigError(f"target 'vllm': no vLLM KV cache spec for group {g}: {spec!r}")
+    return specs
+
+
+# ---- the allocator ----------------------------------------------------------------------
+
+
+class Hits(tuple):
+    """One hit list per group, as the engine reads them, carrying vLLM's own ``KVCacheBlocks``.
+
+    vLLM tells "no hit" apart by identity (``is self.empty_kv_cache_blocks``), so
+    ``allocate_slots`` must get back the very object ``get_computed_blocks`` returned."""
+
+    vllm_blocks: object
+
+    def __new__(cls, vllm_blocks):
+        hits = super().__new__(cls, vllm_blocks.blocks)
+        hits.vllm_blocks = vllm_blocks
+        return hits
+
+
+class VllmAllocator:
+    """kvprop's manager-facade calls, forwarded to vLLM's ``KVCacheManager``.
+
+    Keeps one vLLM ``Request`` per kvprop request (created on first sight, with vLLM's
+    own block hasher), appends the tokens the kvprop request has grown by and copies its
+    ``num_computed_tokens`` before every call, since vLLM reads both from its request."""
+
+    def __init__(self, config: AllocatorConfig):
+        v = self.v = _import_vllm()
+        self.config = config
+        self.block_size = config.block_size
+        self.num_groups = len(config.groups)
+        kv_cache_config = v.kvi.KVCacheConfig(
+            num_blocks=config.num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[v.kvi.KVCacheGroupSpec([f"layer{g}"], s) for g, s in enumerate(vllm_specs(config, v))],
+        )
+        wanted = dict(
+            kv_cache_config=kv_cache_config,
+            # no request can need more slots than the pool has
+            max_model_len=config.num_blocks * self.block_size,
+            scheduler_block_size=self.block_size,
+            hash_block_size=self.block_size,
+            enable_caching=config.enable_caching,
+        )
+        params = _accepted(v.KVCacheManager.__init__)
+        missing = [n for n, d in params.items() if d is inspect.Parameter.empty and n not in wanted]
+        if missing:
+            raise ConfigError(f"target 'vllm': vLLM {v.version}'s KVCacheManager needs {missing}, which kvprop cannot supply")
+        try:
+            self.manager = v.KVCacheManager(**_call_kwargs("KVCacheManager()", params, wanted))
+        except (AssertionError, ValueError, NotImplementedError) as e:
+            raise ConfigError(f"target 'vllm': vLLM {v.version} cannot build an allocator for {config}: "
+                              f"{type(e).__name__}: {e}") from e
+        self.pool = self.manager.block_pool
+        self.hasher = v.kvu.get_request_block_hasher(self.block_size, v.sha256)
+        self._allocate_params = _accepted(v.KVCacheManager.allocate_slots)
+        self.requests: dict = {}  # kvprop request id -> vLLM Request
+        self.hash_names: dict = {}  # vLLM block hash (bytes) -> kvprop block hash
+        self._named: dict = {}  # request id -> how many of its block hashes are in hash_names
+        self.num_evictions = 0
+
+    # ---- requests ---------------------------------------------------------------------
+
+    def vllm_request(self, request):
+        """vLLM's request for ``request``, brought up to date with it."""
+        rid = request.request_id
+        vreq = self.requests.get(rid)
+        if vreq is None:
+            vreq = self.requests[rid] = self.v.Request(
+                request_id=rid,
+                prompt_token_ids=list(request.tokens[: request.num_prompt_tokens]),
+                sampling_params=self.v.SamplingParams(max_tokens=request.max_new_tokens),
+                pooling_params=None,
+                block_hasher=self.hasher,
+            )
+            self._named[rid] = 0
+        grown = request.tokens[vreq.num_tokens :]
+        if grown:
+            vreq.append_output_token_ids(list(grown))
+        vreq.num_computed_tokens = request.num_computed_tokens
+        self._name_hashes(rid, vreq.block_hashes, request.block_hashes)
+        return vreq
+
+    def _name_hashes(self, rid, vllm_hashes, kvprop_hashes) -> None:
+        """Record which kvprop hash each new vLLM block hash stands for (same block, same index)."""
+        done = self._named[rid]
+        end = min(len(vllm_hashes), len(kvprop_hashes))
+        for i in range(done, end):
+            known = self.hash_names.setdefault(vllm_hashes[i], kvprop_hashes[i])
+            if known != kvprop_hashes[i]:
+                raise AssertionError(
+                    f"target 'vllm': vLLM hash {vllm_hashes[i].hex()[:16]} of {rid!r} block {i} names kvprop hash "
+                    f"{kvprop_hashes[i]} but was recorded for {known}: the two hash chains disagree"
+                )
+        self._named[rid] = max(done, end)
+
+    # ---- manager-facade calls -----------------------------------------------------------
+
+    def get_computed_blocks(self, request):
+        result = self.manager.get_computed_blocks(self.vllm_request(request))
+        return Hits(result[0]), result[1]  # later releases may add values after these two
+
+    def allocate_slots(self, request, num_new_tokens: int, **kwargs):
+        vreq = self.vllm_request(request)
+        hits = kwargs.get("new_computed_blocks")
+        if isinstance(hits, Hits):
+            kwargs["new_computed_blocks"] = hits.vllm_blocks
+        elif hits is not None and not isinstance(hits, self.v.KVCacheBlocks):
+            raise TypeError(f"allocate_slots: new_computed_blocks must be what get_computed_blocks returned, got {hits!r}")
+        kwargs = _call_kwargs("KVCacheManager.allocate_slots()", self._allocate_params, kwargs)
+        before = {b.block_id: b.block_hash for b in self.pool.blocks if b.ref_cnt == 0 and b.block_hash is not None}
+        result = self.manager.allocate_slots(vreq, num_new_tokens, **kwargs)
+        blocks = self.pool.blocks
+        self.num_evictions += sum(1 for b, h in before.items() if blocks[b].block_hash != h)
+        return result
+
+    def cache_blocks(self, request, num_computed_tokens: int) -> None:
+        self.manager.cache_blocks(self.vllm_request(request), num_computed_tokens)
+
+    def free(self, request) -> None:
+        self.manager.free(self.vllm_request(request))
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.manager.reset_prefix_cache())
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return tuple(list(ids) for ids in self.manager.get_block_ids(request_id))
+
+
+# ---- the view ---------------------------------------------------------------------------
+
+
+class VllmView:
+    """vLLM's allocator state in kvprop's terms (``kvprop.view.AllocatorView``'s calls).
+
+    Reads only; every dict is read with ``.get`` so that no defaultdict grows an entry.
+    vLLM's per-group ``req_to_blocks`` is a defaultdict that gains an empty list when a
+    waiting request's refused allocation drops window-skipped blocks (vLLM's scheduler
+    later frees it; kvprop's engine frees only admitted requests): an empty list holds no
+    block, so it is no table."""
+
+    def __init__(self, allocator: VllmAllocator):
+        self.allocator = allocator
+        self.pool = allocator.pool
+        self.managers = allocator.manager.coordinator.single_type_managers
+        self.queue = self.pool.free_block_queue
+        self.kvu = allocator.v.kvu
+        self.num_blocks = allocator.config.num_blocks
+        self.block_size = allocator.block_size
+        self.num_groups = len(self.managers)
+        self.null_block_id = self.pool.null_block.block_id
+
+    def ref_cnt(self, block_id: int) -> int:
+        return self.pool.blocks[block_id].ref_cnt
+
+    def ref_cnts(self) -> list[int]:
+        return [b.ref_cnt for b in self.pool.blocks]
+
+    def _key(self, vllm_key):
+        """(kvprop hash, group) for vLLM's (hash, group) key; an unrecorded hash stays visibly foreign."""
+        if vllm_key is None:
+            return None
+        block_hash = self.kvu.get_block_hash(vllm_key)
+        name = self.allocator.hash_names.get(block_hash)
+        return (name if name is not None else f"vllm:{block_hash.hex()[:16]}", self.kvu.get_group_id(vllm_key))
+
+    def cache_key(self, block_id: int):
+        return self._key(self.pool.blocks[block_id].block_hash)
+
+    def cache_keys(self) -> list:
+        return [self._key(b.block_hash) for b in self.pool.blocks]
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.queue.num_free_blocks
+
+    def _walk(self, start, step: str, stop, limit: int) -> list[int]:
+        """Block ids along the free list's links; stops after ``limit`` so a cycle shows as repeats."""
+        out, block = [], start
+        while block is not None and block is not stop and len(out) < limit:
+            out.append(block.block_id)
+            block = getattr(block, step)
+        return out
+
+    def free_queue_ids(self) -> list[int]:
+        q = self.queue
+        return self._walk(q.fake_free_list_head.next_free_block, "next_free_block", q.fake_free_list_tail, self.num_blocks + 1)
+
+    def free_queue_ids_backward(self) -> list[int]:
+        q = self.queue
+        return self._walk(q.fake_free_list_tail.prev_free_block, "prev_free_block", q.fake_free_list_head, self.num_blocks + 1)
+
+    def free_queue_prefix(self, n: int) -> list[int]:
+        q = self.queue
+        return self._walk(q.fake_free_list_head.next_free_block, "next_free_block", q.fake_free_list_tail, n)
+
+    def cache_map_items(self):
+        # The pool replaces its map on reset_prefix_cache: look it up every time.
+        for vllm_key, entry in list(self.pool.cached_block_hash_to_block._cache.items()):
+            key = self._key(vllm_key)
+            if isinstance(entry, dict):
+                for block_id in entry:
+                    yield key, block_id
+            else:
+                yield key, entry.block_id
+
+    def request_ids(self, group: int):
+        return [rid for rid, blocks in list(self.managers[group].req_to_blocks.items()) if blocks]
+
+    def request_block_ids(self, group: int, request_id: str):
+        blocks = self.managers[group].req_to_blocks.get(request_id)
+        return [b.block_id for b in blocks] if blocks else None
+
+    def num_cached_blocks(self, group: int, request_id: str):
+        """vLLM records a count only once a request had hits or external tokens, or cached a
+        full block; before that a request with a table has cached nothing: 0."""
+        manager = self.managers[group]
+        count = manager.num_cached_block.get(request_id)
+        if count is None and manager.req_to_blocks.get(request_id):
+            return 0
+        return count
+
+    @property
+    def num_evictions(self) -> int:
+        return self.allocator.num_evictions
