@@ -42,7 +42,7 @@ def cmd_fuzz(args) -> int:
         return EXIT_FOUND + 2
     opts = fuzz.FuzzOptions(seconds=args.seconds, workers=args.workers, seed=args.seed, engine=args.engine,
                             variant=args.variant, target=args.target, device=args.device, out=Path(args.out),
-                            max_ops=args.max_ops)
+                            max_ops=args.max_ops, max_runs=args.max_runs)
     label = f"variant {args.variant}" if args.variant else f"target {args.target or 'kvprop'}"
     print(f"kvprop {__version__} fuzz: engine {args.engine}, {label}, {args.workers} workers, "
           f"{args.seconds:g}s budget, seed {args.seed}", flush=True)
@@ -186,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--engine", default="walk", help="walk (fast seeded walker) | hypothesis (state machine)")
     f.add_argument("--out", default="counterexamples")
     f.add_argument("--max-ops", type=int, default=200, help="operations per walk run")
+    f.add_argument("--max-runs", type=int, default=None,
+                   help="stop each worker after this many runs/examples (a deterministic budget, for CI)")
     f.add_argument("--canary", action="store_true", help="first prove the harness finds a known bug")
     f.add_argument("--canary-seconds", type=float, default=30.0)
     target_args(f)

@@ -39,6 +39,7 @@ class FuzzOptions:
     out: Path = Path("counterexamples")
     max_ops: int = 200
     minimise: bool = True
+    max_runs: int | None = None  # a deterministic budget: stop after this many runs (walk) / examples
 
 
 @attrs.frozen
@@ -59,7 +60,9 @@ def _walk_worker(index: int, opts: FuzzOptions, out, stop) -> None:
     from kvprop.walk import run_walk
 
     seed, runs, steps, events, last = opts.seed + index, 0, 0, set(), time.monotonic()
-    while not stop.is_set():
+    total = 0
+    while not stop.is_set() and (opts.max_runs is None or total < opts.max_runs):
+        total += 1
         result = run_walk(seed, opts.variant, opts.target, opts.device, opts.max_ops)
         runs, steps = runs + 1, steps + result.steps_run
         events |= result.events
@@ -84,7 +87,7 @@ def _hypothesis_worker(index: int, opts: FuzzOptions, out, stop) -> None:
     profiles.load("fuzz")
     machine = machine_for(opts.variant, opts.target, opts.device)
     s = opts.seed + index
-    while not stop.is_set():
+    while not stop.is_set() and (opts.max_runs is None or machine.counters["examples"] < opts.max_runs):
         before = dict(machine.counters)
         try:
             run_state_machine_as_test(hseed(s)(machine), settings=settings(settings.default, max_examples=25))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import attrs
 
 from kvprop.errors import ConfigError
+from kvprop.operations import PROMPT_PRODUCERS
 from kvprop.specs import AllocatorConfig, FullAttention
 from kvprop.trace import Failure, Trace, execute
 
@@ -64,8 +65,7 @@ class Minimiser:
         while chunk >= 1:
             i = 0
             while i < len(self.best.steps):
-                steps = self.best.steps
-                if self.accept(self.best.with_steps(steps[:i] + steps[i + chunk :])):
+                if self.accept(self.best.with_steps(without(self.best.steps, i, i + chunk))):
                     continue
                 i += chunk
             chunk //= 2
@@ -85,6 +85,29 @@ class Minimiser:
     def simplify_config(self) -> None:
         for config in _simpler_configs(self.best.config):
             self.accept(attrs.evolve(self.best, config=config))
+
+
+def without(steps, start: int, stop: int) -> tuple:
+    """``steps`` less ``steps[start:stop]``, with every later ``parent`` index re-pointed at the
+    prompt it named before (parents count back from the most recent prompt), where that survives."""
+    out, producers_seen, kept_producers, dropped_before = [], 0, 0, []
+    for k, op in enumerate(steps):
+        produces = isinstance(op, PROMPT_PRODUCERS)
+        if start <= k < stop:
+            if produces:
+                dropped_before.append(producers_seen)
+                producers_seen += 1
+            continue
+        if produces and producers_seen:
+            target = producers_seen - 1 - op.parent % producers_seen
+            if target not in dropped_before:
+                shift = sum(1 for d in dropped_before if d < target)
+                op = attrs.evolve(op, parent=kept_producers - 1 - (target - shift))
+        out.append(op)
+        if produces:
+            producers_seen += 1
+            kept_producers += 1
+    return tuple(out)
 
 
 def _smaller(value: int, lo: int):

@@ -99,6 +99,7 @@ class AddLargeRequest:
         per_group = cfg.allocator.usable_blocks // len(cfg.allocator.groups)
         total = per_group * cfg.allocator.block_size - cfg.lookahead
         if total < 2:
+            h.prompts.append([])
             return "no request fits this pool"
         base = h.derive_tokens(self.parent, 0, 0, self.seed)[: total - 1]
         prompt = base + _fresh_tokens(self.seed, total - 1 - len(base), cfg.vocab)
@@ -134,10 +135,10 @@ class PublishPrefix:
     ARGS: ClassVar = {"parent": (0, 7), "cut": (0, 48), "extra": (0, 32), "seed": (0, 3)}
 
     def apply(self, h: Harness) -> str:
-        if h.engine.connector is None:
-            return "no connector"
         tokens = h.derive_tokens(self.parent, self.cut, self.extra, self.seed)
         h.prompts.append(tokens)
+        if h.engine.connector is None:
+            return "no connector"
         return f"published {h.engine.connector.publish_prefix(tokens)} blocks of {tokens}"
 
 
@@ -217,6 +218,7 @@ class ResetPrefixCache:
         return f"reset_prefix_cache -> {h.engine.reset_prefix_cache()}"
 
 
+PROMPT_PRODUCERS = (AddRequest, AddLargeRequest, PublishPrefix)  # each adds exactly one prompt to the history
 OPERATIONS = (AddRequest, AddLargeRequest, Step, PublishPrefix, FinishLoad, Preempt, Abort, Finish, ResetPrefixCache)
 OPERATION_BY_NAME = {op.__name__: op for op in OPERATIONS}
 
@@ -245,11 +247,11 @@ class Harness:
         return base + _fresh_tokens(seed + 31 * len(base), extra, self.config.vocab)
 
     def add_request(self, prompt: list[int], max_new_tokens: int) -> str:
+        self.prompts.append(prompt)  # even if rejected: every producing operation adds one prompt
         try:
             request = self.engine.add_request(prompt, max_new_tokens)
         except RequestError as e:
             return f"rejected: {e}"
-        self.prompts.append(prompt)
         return f"{request.request_id} = {prompt} (+{max_new_tokens} new)"
 
     def apply(self, op) -> str:

@@ -270,6 +270,7 @@ class VllmView:
         self.block_size = allocator.block_size
         self.num_groups = len(self.managers)
         self.null_block_id = self.pool.null_block.block_id
+        self._names: dict = {}  # vLLM key -> kvprop key, for keys whose hash is recorded
 
     def ref_cnt(self, block_id: int) -> int:
         return self.pool.blocks[block_id].ref_cnt
@@ -281,9 +282,14 @@ class VllmView:
         """(kvprop hash, group) for vLLM's (hash, group) key; an unrecorded hash stays visibly foreign."""
         if vllm_key is None:
             return None
-        block_hash = self.kvu.get_block_hash(vllm_key)
-        name = self.allocator.hash_names.get(block_hash)
-        return (name if name is not None else f"vllm:{block_hash.hex()[:16]}", self.kvu.get_group_id(vllm_key))
+        key = self._names.get(vllm_key)
+        if key is None:
+            block_hash = self.kvu.get_block_hash(vllm_key)
+            name = self.allocator.hash_names.get(block_hash)
+            if name is None:
+                return (f"vllm:{block_hash.hex()[:16]}", self.kvu.get_group_id(vllm_key))
+            key = self._names[vllm_key] = (name, self.kvu.get_group_id(vllm_key))
+        return key
 
     def cache_key(self, block_id: int):
         return self._key(self.pool.blocks[block_id].block_hash)

@@ -1,0 +1,115 @@
+"""End to end through the ``kvprop`` command: find, minimise, replay, emit a test."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BUG = "interleaved-external-alloc"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def kvprop(*args, cwd=None, env=None):
+    return subprocess.run([sys.executable, "-m", "kvprop", *args], cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, timeout=900)
+
+
+def pytest_file(path, variant):
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)],
+                          cwd=path.parent, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "KVPROP_VARIANT": variant})
+
+
+def found(tmp_path, engine):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    out = tmp_path / "cx"
+    r = kvprop("fuzz", "--engine", engine, "--variant", BUG, "--workers", "1", "--seed", "0", "--max-runs", "3000",
+               "--seconds", "600", "--out", str(out), cwd=tmp_path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    traces = sorted(out.glob("*.json"))
+    tests = sorted(out.glob("test_*.py"))
+    assert len(traces) == 1 and len(tests) == 1, r.stdout
+    return r, traces[0], tests[0]
+
+
+@pytest.fixture(scope="module")
+def walk_find(tmp_path_factory):
+    return found(tmp_path_factory.mktemp("walk"), "walk")
+
+
+def test_walk_finds_the_motivating_bug_and_minimises_it(walk_find):
+    r, trace_path, _ = walk_find
+    data = json.loads(trace_path.read_text())
+    assert data["failure"]["kind"] in {"block-in-two-groups", "connector-handoff", "cached-block-lost-hash"}
+    assert len(data["steps"]) <= 6, r.stdout
+    assert "FOUND" in r.stdout and "FAILED at" in r.stdout
+
+
+def test_replay_reproduces_on_the_variant_and_passes_on_the_correct_allocator(walk_find):
+    _, trace_path, _ = walk_find
+    bad = kvprop("replay", str(trace_path))
+    assert bad.returncode == 1 and "REPRODUCED" in bad.stdout, bad.stdout + bad.stderr
+    good = kvprop("replay", str(trace_path), "--variant", "correct")
+    assert good.returncode == 0 and "PASSED" in good.stdout, good.stdout + good.stderr
+
+
+def test_generated_test_fails_on_the_variant_and_passes_on_the_correct_allocator(walk_find):
+    _, _, test_path = walk_find
+    assert pytest_file(test_path, BUG).returncode == 1
+    assert pytest_file(test_path, "correct").returncode == 0
+
+
+def test_emit_test_writes_the_same_test_fuzz_wrote(walk_find, tmp_path):
+    _, trace_path, test_path = walk_find
+    out = tmp_path / "again.py"
+    assert kvprop("emit-test", str(trace_path), "--out", str(out)).returncode == 0
+    assert out.read_text() == test_path.read_text()
+
+
+def test_hypothesis_engine_finds_the_motivating_bug(tmp_path):
+    r, trace_path, test_path = found(tmp_path, "hypothesis")
+    data = json.loads(trace_path.read_text())
+    assert data["engine"] == "hypothesis"
+    assert kvprop("replay", str(trace_path)).returncode == 1
+    assert pytest_file(test_path, "correct").returncode == 0
+
+
+def test_same_seed_gives_the_same_trace_twice(tmp_path):
+    first = found(tmp_path / "a", "walk")[1].read_text()
+    second = found(tmp_path / "b", "walk")[1].read_text()
+    assert first == second
+
+
+def test_short_clean_fuzz_of_the_correct_allocator_exits_0(tmp_path):
+    r = kvprop("fuzz", "--workers", "2", "--seconds", "4", "--seed", "1", "--out", str(tmp_path / "cx"), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "clean:" in r.stdout and "steps/s" in r.stdout
+    assert not (tmp_path / "cx").exists()
+
+
+@pytest.mark.parametrize("content, message", [
+    ("not json", "not JSON"),
+    ('{"format": "other"}', "format: expected 'kvprop-trace/1'"),
+    ('{"format": "kvprop-trace/1", "steps": [], "config": {"groups": []}}', "groups must be a tuple of 1 to"),
+    ('{"format": "kvprop-trace/1", "steps": [{"op": "Teleport"}], "config": {}}', "unknown operation 'Teleport'"),
+])
+def test_malformed_trace_exits_2_with_a_clear_message(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    r = kvprop("replay", str(path))
+    assert r.returncode == 2
+    assert message in r.stderr, r.stderr
+
+
+def test_unknown_variant_exits_2_and_lists_the_known_ones(tmp_path):
+    r = kvprop("fuzz", "--variant", "no-such-bug", "--seconds", "1", cwd=tmp_path)
+    assert r.returncode == 2
+    assert "unknown variant 'no-such-bug'" in r.stderr and BUG in r.stderr
+
+
+def test_missing_trace_file_exits_2(tmp_path):
+    r = kvprop("replay", str(tmp_path / "nope.json"))
+    assert r.returncode == 2 and "cannot read trace" in r.stderr
