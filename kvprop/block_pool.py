@@ -31,7 +31,8 @@ class Block:
 class FreeBlockQueue:
     """Doubly linked list of free blocks between two sentinels, head = next to be evicted."""
 
-    def __init__(self, blocks: Iterable[Block]):
+    def __init__(self, blocks: Iterable[Block], changed: set | None = None):
+        self.changed = changed if changed is not None else set()
         self.head = Block(-1)
         self.tail = Block(-2)
         self.head.next, self.tail.prev = self.tail, self.head
@@ -56,6 +57,7 @@ class FreeBlockQueue:
         block.next.prev = block.prev
         block.prev = block.next = None
         self.num_free -= 1
+        self.changed.add(block.block_id)
 
     def insert_after(self, anchor: Block, block: Block) -> None:
         if block.prev is not None or block.next is not None:
@@ -64,6 +66,7 @@ class FreeBlockQueue:
         anchor.next.prev = block
         anchor.next = block
         self.num_free += 1
+        self.changed.add(block.block_id)
 
     def append(self, block: Block) -> None:
         self.insert_after(self.tail.prev, block)
@@ -89,6 +92,9 @@ class BlockPool:
 
     The cache map holds several blocks under one key: two requests can compute the same
     prefix before either is cached, and both results stay valid hits.
+
+    ``changed`` collects the ids of blocks whose count, hash or queue links changed; the
+    checker takes it to verify only what moved (the pool never reads it).
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True):
@@ -97,7 +103,8 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.null_block.is_null = True
-        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.changed: set[int] = set()
+        self.free_queue = FreeBlockQueue(self.blocks[1:], self.changed)
         self.cached: dict[CacheKey, dict[int, Block]] = {}
         self.num_evictions = 0
 
@@ -122,6 +129,7 @@ class BlockPool:
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
+        self.changed.update(b.block_id for b in out)
         return out
 
     def _evict(self, block: Block) -> None:
@@ -134,6 +142,7 @@ class BlockPool:
                 del self.cached[block.key]
         block.key = None
         self.num_evictions += 1
+        self.changed.add(block.block_id)
 
     def touch(self, blocks: Iterable[Block]) -> None:
         for block in blocks:
@@ -142,6 +151,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
+            self.changed.add(block.block_id)
 
     def free_blocks(self, ordered: Iterable[Block]) -> None:
         """Release one reference each; blocks reaching 0 join the queue.
@@ -157,6 +167,7 @@ class BlockPool:
             if block.ref_cnt <= 0:
                 raise AllocatorError(f"free of block {block.block_id} with ref_cnt {block.ref_cnt}")
             block.ref_cnt -= 1
+            self.changed.add(block.block_id)
             if block.ref_cnt == 0:
                 if block.key is None:
                     self.free_queue.insert_after(anchor, block)
@@ -174,6 +185,7 @@ class BlockPool:
             )
         block.key = (block_hash, group_id)
         self.cached.setdefault(block.key, {})[block.block_id] = block
+        self.changed.add(block.block_id)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash; only allowed while no block but the null block is in use."""
@@ -182,4 +194,5 @@ class BlockPool:
         for block in self.blocks:
             block.key = None
         self.cached.clear()
+        self.changed.update(range(self.num_blocks))
         return True

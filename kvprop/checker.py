@@ -2,7 +2,9 @@
 
 Corruption can be transient — a duplicated block can be written and freed again inside
 one engine step — so structural checks also run right after every allocation, where
-blocks change hands, not only between operations.
+blocks change hands, not only between operations. Where the view reports which blocks
+changed, checks are incremental (see ``incremental``) with a full sweep every
+``full_every`` checks and at the end of every run; otherwise every check is a full sweep.
 """
 
 from __future__ import annotations
@@ -10,46 +12,136 @@ from __future__ import annotations
 from kvprop import invariants as inv
 from kvprop.engine import Hooks
 from kvprop.errors import Violation
+from kvprop.incremental import Mirror
+
+
+class IdTables:
+    """The mirror's tables as block-id lists, converted only when a check reads one."""
+
+    def __init__(self, mirror: Mirror):
+        self.tables = mirror.tables
+
+    def __iter__(self):
+        return iter(self.tables)
+
+    def get(self, key, default=None):
+        table = self.tables.get(key)
+        return default if table is None else [b.block_id for b in table]
 
 
 class Checker(Hooks):
     """Every invariant, after every allocation and every operation; ``enabled=False`` is the
     bare engine (benchmarks measure what the checks cost)."""
 
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled: bool = True, full_every: int = 64):
         self.enabled = enabled
+        self.full_every = full_every
+        self.mirror: Mirror | None = None
+        self.signatures: dict = {}
+        self.num_checks = 0
+
+    def incremental(self, engine) -> bool:
+        return self.full_every > 1 and hasattr(engine.view, "take_changes")
+
+    # ---- in-step hooks ----------------------------------------------------------------
 
     def before_allocation(self, engine, request):
         if not self.enabled:
             return None
-        return inv.snapshot(engine.view, request.request_id)
+        if not self.incremental(engine):
+            return inv.snapshot(engine.view, request.request_id)
+        self.check_structure(engine)
+        view = engine.view
+        return [view.request_block_ids(g, request.request_id) for g in range(view.num_groups)]
 
     def after_allocation(self, engine, request, token, result, computed: int) -> None:
         if not self.enabled:
             return
+        if not self.incremental(engine):
+            if result is None:
+                inv.check_refusal(engine.view, request.request_id, token)
+            else:
+                self.check_structure(engine, {request.request_id: computed}, frozenset([request.request_id]))
+            return
         if result is None:
-            inv.check_refusal(engine.view, request.request_id, token)
+            self._check_refusal_changes(engine, request.request_id, token)
+            self.check_structure(engine)
         else:
             self.check_structure(engine, {request.request_id: computed}, frozenset([request.request_id]))
 
-    def check_structure(self, engine, pending=None, admitted_now=frozenset()) -> None:
+    def _check_refusal_changes(self, engine, request_id, before) -> None:
+        """8, incrementally: a refused allocation touched only the blocks its window skipping freed."""
         view = engine.view
-        tables = inv.gather_tables(view)
-        ref_cnts = view.ref_cnts()
-        keys = view.cache_keys()
-        inv.check_ref_counts(view, tables, ref_cnts)
-        inv.check_free_queue(view, ref_cnts)
-        inv.check_group_exclusive(view, tables, keys)
-        inv.check_cache_map(view, keys)
-        inv.check_conservation(view, ref_cnts)
-        inv.check_tables(engine, view, tables, keys, pending or {}, admitted_now)
-        return tables, keys
+        after = [view.request_block_ids(g, request_id) for g in range(view.num_groups)]
+        freed = set()
+        for g, (old, new) in enumerate(zip(before, after)):
+            if old is None and new is None:
+                continue
+            if old is None or new is None or len(old) != len(new) or any(
+                    a != b and b != view.null_block_id for a, b in zip(old, new)):
+                raise Violation("refusal-changed-table", f"a refused allocation changed {request_id!r}'s group {g} "
+                                f"table from {old} to {new}", requests=[request_id], groups=[g])
+            freed.update(a for a, b in zip(old, new) if a != b)
+        changed = view.take_changes()
+        view.pool.changed.update(changed)  # the structural check after this still needs them
+        stray = sorted(changed - freed)
+        if stray:
+            raise Violation("refusal-changed-state", f"a refused allocation for {request_id!r} changed blocks {stray}, "
+                            f"which its window skipping did not free", blocks=stray, requests=[request_id])
+
+    # ---- checks -------------------------------------------------------------------------
+
+    def check_structure(self, engine, pending=None, admitted_now=frozenset()):
+        """Invariants 1-6; returns what the data check needs."""
+        view = engine.view
+        if not self.incremental(engine):
+            tables = inv.gather_tables(view)
+            ref_cnts, keys = view.ref_cnts(), view.cache_keys()
+            inv.check_free_queue_links(view)
+            inv.check_blocks(view, tables, ref_cnts, keys)
+            inv.check_conservation(view, ref_cnts)
+            inv.check_tables(engine, view, tables, keys, pending or {}, admitted_now)
+            return tables, keys, None
+        if self.mirror is None:
+            self.mirror = Mirror(view)
+        changed = view.take_changes()
+        changed_tables = self.mirror.sync(changed)
+        only = {rid for rid, _ in changed_tables} | set(pending or ()) | set(admitted_now)
+        # Waiting requests hold no table; one that gains or loses a table shows in changed_tables.
+        for request in [*engine.running, *engine.loading.values()]:
+            sig = (request.status, request.num_computed_tokens, request.num_tokens, request.pending_external)
+            if self.signatures.get(request.request_id) != sig:
+                self.signatures[request.request_id] = sig
+                only.add(request.request_id)
+        inv.check_tables(engine, view, IdTables(self.mirror), self.mirror.keys, pending or {}, admitted_now, only)
+        return None, self.mirror.keys, changed
 
     def check_all(self, engine) -> None:
         if not self.enabled:
             return
-        tables, keys = self.check_structure(engine)
-        inv.check_data(engine, engine.view, tables, keys)
+        self.num_checks += 1
+        if self.incremental(engine) and self.num_checks % self.full_every:
+            _, keys, changed = self.check_structure(engine)
+            inv.check_recent_data(engine, engine.view, [(b, keys[b]) for b in changed if keys[b] is not None])
+            return
+        self.check_full(engine)
+
+    def check_full(self, engine) -> None:
+        """The full sweep of every invariant; resynchronises the incremental mirror."""
+        if not self.enabled:
+            return
+        view = engine.view
+        tables = inv.gather_tables(view)
+        ref_cnts, keys = view.ref_cnts(), view.cache_keys()
+        inv.check_free_queue_links(view)
+        inv.check_blocks(view, tables, ref_cnts, keys)
+        inv.check_conservation(view, ref_cnts)
+        inv.check_tables(engine, view, tables, keys, {})
+        engine.memory.take_recent_writes()
+        inv.check_data(engine, view, tables, keys)
+        if self.incremental(engine):
+            self.mirror = Mirror(view)
+            self.signatures.clear()
 
 
 def drain(engine, checker: Checker, max_steps: int | None = None) -> int:
@@ -74,6 +166,7 @@ def drain(engine, checker: Checker, max_steps: int | None = None) -> int:
         engine.step()
         steps += 1
         checker.check_all(engine)
+    checker.check_full(engine)
     if checker.enabled:
         inv.check_drained(engine, engine.view)
     return steps

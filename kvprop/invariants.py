@@ -22,29 +22,105 @@ def gather_tables(view) -> dict[tuple[str, int], list[int]]:
     }
 
 
-# ---- 1. ref counts ------------------------------------------------------------------------
+# ---- per-block sentences, shared by the full sweep and the incremental checker -----------
 
 
-def check_ref_counts(view, tables, ref_cnts) -> None:
-    """ref_cnt(b) equals the number of (request, group) table entries holding b."""
-    holders = Counter(b for table in tables.values() for b in table if b != view.null_block_id)
-    for block_id, ref_cnt in enumerate(ref_cnts):
-        if block_id == view.null_block_id:
+def block_ref_cnt(block_id: int, ref_cnt: int, holders: int, who=()) -> None:
+    """1. ref_cnt(b) equals the number of (request, group) table entries holding b."""
+    if ref_cnt != holders:
+        raise Violation("ref-cnt-mismatch", f"block {block_id} has ref_cnt {ref_cnt} but {holders} table entries hold it",
+                        blocks=[block_id], requests=sorted(who))
+
+
+def block_queue_membership(block_id: int, ref_cnt: int, in_queue: bool) -> None:
+    """2. b is in the free queue iff ref_cnt(b) == 0 (b is not the null block)."""
+    if ref_cnt < 0:
+        raise Violation("negative-ref-cnt", f"block {block_id} has ref_cnt {ref_cnt}", blocks=[block_id])
+    if (ref_cnt == 0) != in_queue:
+        where = "in" if in_queue else "not in"
+        raise Violation("free-queue-membership", f"block {block_id} has ref_cnt {ref_cnt} and is {where} the free queue",
+                        blocks=[block_id])
+
+
+def block_single_group(block_id: int, groups, who=()) -> None:
+    """3. A live block belongs to exactly one group."""
+    if len(groups) > 1:
+        raise Violation("block-in-two-groups", f"block {block_id} is live in groups {sorted(groups)}",
+                        blocks=[block_id], requests=sorted(who), groups=sorted(groups))
+
+
+def block_shared_only_if_cached(block_id: int, holders: int, key, who=()) -> None:
+    """3. Only cached blocks are shared: a share can only come from a cache hit."""
+    if holders > 1 and key is None:
+        raise Violation("shared-uncached-block", f"block {block_id} is held by {holders} tables but not cached",
+                        blocks=[block_id], requests=sorted(who))
+
+
+def table_without_repeats(rid: str, group: int, table, null_block_id: int) -> None:
+    """3. No table holds a block twice."""
+    seen = set()
+    for block_id in table:
+        if block_id == null_block_id:
             continue
-        if ref_cnt != holders.get(block_id, 0):
-            who = sorted({rid for (rid, _), t in tables.items() if block_id in t})
-            raise Violation(
-                "ref-cnt-mismatch",
-                f"block {block_id} has ref_cnt {ref_cnt} but {holders.get(block_id, 0)} table entries hold it",
-                blocks=[block_id], requests=who,
-            )
+        if block_id in seen:
+            raise Violation("duplicate-in-table", f"{rid!r} group {group} holds block {block_id} twice",
+                            blocks=[block_id], requests=[rid], groups=[group])
+        seen.add(block_id)
 
 
-# ---- 2. free queue ------------------------------------------------------------------------
+def block_cache_entry(block_id: int, key, in_map: bool, num_groups: int, is_null: bool) -> None:
+    """4. A cached block is in the map under its key; the null block is never cached."""
+    if key is None:
+        return
+    if is_null:
+        raise Violation("null-block-cached", f"the null block is cached as {key}", blocks=[block_id])
+    if not in_map:
+        raise Violation("cache-map-missing", f"block {block_id} says it is cached as {key} but the map lacks it",
+                        blocks=[block_id])
+    if not 0 <= key[1] < num_groups:
+        raise Violation("cache-key-group", f"block {block_id} is cached for group {key[1]}", blocks=[block_id])
 
 
-def check_free_queue(view, ref_cnts) -> None:
-    """b is in the free queue iff ref_cnt(b) == 0 and b is not the null block; links agree."""
+def map_entry(block_id: int, map_key, block_key) -> None:
+    """4. The map holds a block only under the key the block carries."""
+    if map_key != block_key:
+        raise Violation("cache-map-stale", f"cache map holds block {block_id} under {map_key} but the block says "
+                        f"{block_key}", blocks=[block_id])
+
+
+# ---- the full sweep ------------------------------------------------------------------------
+
+
+def check_blocks(view, tables, ref_cnts, keys) -> None:
+    """1-4 for every block, from every table."""
+    holders, groups_of, who = Counter(), defaultdict(set), defaultdict(set)
+    for (rid, g), table in tables.items():
+        table_without_repeats(rid, g, table, view.null_block_id)
+        for block_id in table:
+            if block_id != view.null_block_id:
+                holders[block_id] += 1
+                groups_of[block_id].add(g)
+                who[block_id].add(rid)
+    in_queue = set(view.free_queue_ids())
+    mapped = {}
+    for key, block_id in view.cache_map_items():
+        map_entry(block_id, key, keys[block_id])
+        mapped[block_id] = key
+    for block_id, ref_cnt in enumerate(ref_cnts):
+        is_null = block_id == view.null_block_id
+        block_cache_entry(block_id, keys[block_id], mapped.get(block_id) == keys[block_id], view.num_groups, is_null)
+        if is_null:
+            if block_id in in_queue:
+                raise Violation("null-block-free", "the null block is in the free queue", blocks=[block_id])
+            continue
+        block_ref_cnt(block_id, ref_cnt, holders.get(block_id, 0), who.get(block_id, ()))
+        block_queue_membership(block_id, ref_cnt, block_id in in_queue)
+        block_single_group(block_id, groups_of.get(block_id, ()), who.get(block_id, ()))
+        block_shared_only_if_cached(block_id, holders.get(block_id, 0), keys[block_id], who.get(block_id, ()))
+
+
+def check_free_queue_links(view) -> None:
+    """2. The queue's links are consistent, it has no repeats, its length is the free count."""
     forward = view.free_queue_ids()
     backward = view.free_queue_ids_backward()
     if forward != backward[::-1]:
@@ -54,77 +130,17 @@ def check_free_queue(view, ref_cnts) -> None:
         raise Violation("free-queue-repeat", "blocks appear more than once in the free queue", blocks=repeats)
     if len(forward) != view.num_free_blocks:
         raise Violation("free-count", f"free queue holds {len(forward)} blocks but reports {view.num_free_blocks}")
-    in_queue = set(forward)
-    if view.null_block_id in in_queue:
-        raise Violation("null-block-free", "the null block is in the free queue", blocks=[view.null_block_id])
-    for block_id, ref_cnt in enumerate(ref_cnts):
-        if block_id == view.null_block_id:
-            continue
-        if ref_cnt < 0:
-            raise Violation("negative-ref-cnt", f"block {block_id} has ref_cnt {ref_cnt}", blocks=[block_id])
-        if (ref_cnt == 0) != (block_id in in_queue):
-            where = "in" if block_id in in_queue else "not in"
-            raise Violation("free-queue-membership", f"block {block_id} has ref_cnt {ref_cnt} and is {where} the free queue",
-                            blocks=[block_id])
-
-
-# ---- 3. group exclusivity -----------------------------------------------------------------
-
-
-def check_group_exclusive(view, tables, keys) -> None:
-    """A live block belongs to exactly one group; no table holds a block twice; only cached
-    blocks are shared (a share can only come from a cache hit)."""
-    groups_of = defaultdict(set)
-    tables_of = defaultdict(list)
-    for (rid, g), table in tables.items():
-        seen = set()
-        for block_id in table:
-            if block_id == view.null_block_id:
-                continue
-            if block_id in seen:
-                raise Violation("duplicate-in-table", f"{rid!r} group {g} holds block {block_id} twice",
-                                blocks=[block_id], requests=[rid], groups=[g])
-            seen.add(block_id)
-            groups_of[block_id].add(g)
-            tables_of[block_id].append(rid)
-    for block_id, groups in groups_of.items():
-        if len(groups) > 1:
-            raise Violation("block-in-two-groups", f"block {block_id} is live in groups {sorted(groups)}",
-                            blocks=[block_id], requests=sorted(set(tables_of[block_id])), groups=sorted(groups))
-        if len(tables_of[block_id]) > 1 and keys[block_id] is None:
-            raise Violation("shared-uncached-block", f"block {block_id} is shared but not cached",
-                            blocks=[block_id], requests=sorted(tables_of[block_id]), groups=sorted(groups))
-
-
-# ---- 4. cache map -------------------------------------------------------------------------
-
-
-def check_cache_map(view, keys) -> None:
-    """The cache map and the blocks' hashes agree both ways; the null block is never cached."""
-    mapped = {}
-    for key, block_id in view.cache_map_items():
-        if keys[block_id] != key:
-            raise Violation("cache-map-stale", f"cache map holds block {block_id} under {key} but the block says {keys[block_id]}",
-                            blocks=[block_id])
-        mapped[block_id] = key
-    for block_id, key in enumerate(keys):
-        if key is None:
-            continue
-        if block_id == view.null_block_id:
-            raise Violation("null-block-cached", f"the null block is cached as {key}", blocks=[block_id])
-        if mapped.get(block_id) != key:
-            raise Violation("cache-map-missing", f"block {block_id} says it is cached as {key} but the map lacks it",
-                            blocks=[block_id])
-        if not 0 <= key[1] < view.num_groups:
-            raise Violation("cache-key-group", f"block {block_id} is cached for group {key[1]}", blocks=[block_id])
 
 
 # ---- 5. conservation ----------------------------------------------------------------------
 
 
 def check_conservation(view, ref_cnts) -> None:
-    """in-use + free + null = total."""
-    in_use = sum(1 for b, r in enumerate(ref_cnts) if r > 0 and b != view.null_block_id)
+    """5. in-use + free + null = total."""
+    check_conservation_counts(view, sum(1 for b, r in enumerate(ref_cnts) if r > 0 and b != view.null_block_id))
+
+
+def check_conservation_counts(view, in_use: int) -> None:
     if in_use + view.num_free_blocks + 1 != view.num_blocks:
         raise Violation("conservation", f"{in_use} in use + {view.num_free_blocks} free + 1 null != {view.num_blocks} blocks")
 
@@ -139,17 +155,27 @@ def computed_tokens(request, pending: dict) -> int:
     return request.num_computed_tokens + request.pending_external
 
 
-def check_tables(engine, view, tables, keys, pending: dict, admitted_now: frozenset = frozenset()) -> None:
-    """Each admitted request has a table per group whose length fits its tokens, nulls only
+def check_tables(engine, view, tables, keys, pending: dict, admitted_now: frozenset = frozenset(),
+                 only: set | None = None) -> None:
+    """6. Each admitted request has a table per group whose length fits its tokens, nulls only
     where its window skipped, real blocks where it attends, and whose cached prefix still
-    carries the request's own hashes; nobody else has a table or a cached count."""
+    carries the request's own hashes; nobody else has a table or a cached count.
+
+    ``only`` restricts the per-table part to those request ids (the incremental checker
+    passes the requests whose tables or progress changed)."""
     bs, null, lookahead = view.block_size, view.null_block_id, engine.config.lookahead
-    admitted = {rid for rid, r in engine.requests.items() if engine.is_admitted(r)} | admitted_now
+    requests = engine.requests
+
+    def admitted(rid):
+        return rid in admitted_now or (rid in requests and engine.is_admitted(requests[rid]))
+
     for (rid, g) in tables:
-        if rid not in admitted:
+        if (only is None or rid in only) and not admitted(rid):
             raise Violation("table-without-admission", f"{rid!r} has a table in group {g} but is not admitted",
                             requests=[rid], groups=[g])
-    for rid in admitted:
+    for rid in requests if only is None else only:
+        if not admitted(rid):
+            continue
         request = engine.requests[rid]
         computed = computed_tokens(request, pending)
         for g, spec in enumerate(engine.specs):
@@ -219,6 +245,33 @@ def check_data(engine, view, tables, keys) -> None:
     slots.extend(range(null * bs, null * bs + bs))
     expected.extend([UNWRITTEN] * bs)
     origin.extend(("null block", -1, j, null) for j in range(bs))
+    report_mismatch(memory, slots, expected, origin)
+
+
+def check_recent_data(engine, view, changed_cached) -> None:
+    """7, incrementally: every write since the last check reads back (two writers of one
+    slot in a step cannot both), every block that changed and is cached holds its hash's
+    data, and the null block is unwritten."""
+    bs, null, memory = view.block_size, view.null_block_id, engine.memory
+    slots, expected = memory.take_recent_writes()
+    if not slots and not changed_cached:
+        return
+    origin = [("a write this step", -1, s % bs, s // bs) for s in slots]
+    for block_id, key in changed_cached:
+        rows = engine.expected_cached_row(key)
+        if rows is None:
+            continue
+        start, row = rows
+        slots.extend(range(block_id * bs, block_id * bs + bs))
+        expected.extend(row)
+        origin.extend((f"cached{key}", key[1], start + j, block_id) for j in range(bs))
+    slots.extend(range(null * bs, null * bs + bs))
+    expected.extend([UNWRITTEN] * bs)
+    origin.extend(("null block", -1, j, null) for j in range(bs))
+    report_mismatch(memory, slots, expected, origin)
+
+
+def report_mismatch(memory, slots, expected, origin) -> None:
     bad = memory.mismatches(slots, expected)
     if bad:
         who, g, p, block_id = origin[bad[0]]

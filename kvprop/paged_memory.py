@@ -32,6 +32,16 @@ class PagedMemory:
         self.block_size = block_size
         self.data = torch.full((num_blocks, block_size), UNWRITTEN, dtype=torch.int64, device=self.device)
         self.flat = self.data.view(-1)
+        self.recent: list | None = None  # (slots, values) of writes since a checker last looked, when it asks
+
+    def take_recent_writes(self) -> tuple[list[int], list[int]]:
+        """Every write since the last call, flattened; starts recording on the first call."""
+        slots, values = [], []
+        for s, v in self.recent or ():
+            slots.extend(s)
+            values.extend(v)
+        self.recent = []
+        return slots, values
 
     def _index(self, slots) -> torch.Tensor:
         return torch.as_tensor(slots, dtype=torch.int64, device=self.device)
@@ -39,6 +49,8 @@ class PagedMemory:
     def write(self, slots: list[int], values: list[int]) -> None:
         if slots:
             self.flat[self._index(slots)] = torch.as_tensor(values, dtype=torch.int64, device=self.device)
+            if self.recent is not None:
+                self.recent.append((slots, values))
 
     def read(self, slots: list[int]) -> list[int]:
         if not slots:

@@ -69,3 +69,29 @@ class AllocatorView:
     @property
     def num_evictions(self) -> int:
         return self.pool.num_evictions
+
+    # ---- what lets a checker verify only what changed ------------------------------------
+
+    def take_changes(self) -> set[int]:
+        """Ids of blocks whose count, hash or queue links changed since the last call."""
+        changed = set(self.pool.changed)
+        self.pool.changed.clear()
+        return changed
+
+    def raw_table(self, group: int, request_id: str):
+        """The live table (block objects, compared by identity); never mutate it."""
+        return self.managers[group].req_to_blocks.get(request_id)
+
+    def in_free_queue(self, block_id: int) -> bool:
+        block = self.pool.blocks[block_id]
+        return block.prev is not None or block.next is not None
+
+    def links_consistent(self, block_id: int) -> bool:
+        block = self.pool.blocks[block_id]
+        if block.prev is None and block.next is None:
+            return True
+        return block.prev is not None and block.next is not None and block.prev.next is block and block.next.prev is block
+
+    def map_has(self, key, block_id: int) -> bool:
+        entry = self.pool.cached.get(key)
+        return entry is not None and block_id in entry

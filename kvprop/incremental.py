@@ -1,0 +1,112 @@
+"""Incremental checking: the same sentences as ``invariants``, applied to what changed.
+
+A full sweep costs O(blocks + table entries) in Python per check, which would dominate a
+step at large pools. Instead a mirror remembers, per block, how many tables hold it and in
+which groups, and per table what it held; each check diffs the tables that changed and
+re-judges only the blocks the pool reports as changed plus those whose holders changed.
+The checker still runs the full sweep every few checks and at the end of every run.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from kvprop import invariants as inv
+from kvprop.errors import Violation
+
+
+class Mirror:
+    def __init__(self, view):
+        self.view = view
+        n = view.num_blocks
+        self.tables: dict[tuple[str, int], list] = {}
+        self.holders = [0] * n
+        self.groups: list[Counter] = [Counter() for _ in range(n)]
+        self.keys: list = [None] * n
+        self.free = set(view.free_queue_ids())
+        view.take_changes()
+        self.sync(set(range(n)), check=False)
+
+    def _count(self, key, table, sign: int, affected: set) -> None:
+        null = self.view.null_block_id
+        for block in table:
+            block_id = block.block_id
+            if block_id == null:
+                continue
+            self.holders[block_id] += sign
+            groups = self.groups[block_id]
+            groups[key[1]] += sign
+            if groups[key[1]] == 0:
+                del groups[key[1]]
+            affected.add(block_id)
+
+    def sync(self, changed: set, check: bool = True) -> set:
+        """Fold in the tables that changed; judge every affected block. Returns changed table keys."""
+        view = self.view
+        seen, changed_tables = set(), set()
+        for g in range(view.num_groups):
+            for rid in list(view.request_ids(g)):
+                key = (rid, g)
+                seen.add(key)
+                live = view.raw_table(g, rid)
+                old = self.tables.get(key)
+                if old is not None and old == live:
+                    continue
+                if old is not None:
+                    self._count(key, old, -1, changed)
+                self.tables[key] = list(live)
+                self._count(key, live, +1, changed)
+                changed_tables.add(key)
+        for key in [k for k in self.tables if k not in seen]:
+            self._count(key, self.tables.pop(key), -1, changed)
+            changed_tables.add(key)
+        if check:
+            for rid, g in changed_tables:
+                if (rid, g) in self.tables:
+                    inv.table_without_repeats(rid, g, [b.block_id for b in self.tables[(rid, g)]], view.null_block_id)
+        self._judge(changed, check)
+        return changed_tables
+
+    def _who(self, block_id: int) -> set:
+        return {rid for (rid, _), t in self.tables.items() if any(b.block_id == block_id for b in t)}
+
+    def _judge(self, changed: set, check: bool) -> None:
+        view, null = self.view, self.view.null_block_id
+        for block_id in changed:
+            ref_cnt, key = view.ref_cnt(block_id), view.cache_key(block_id)
+            in_queue = view.in_free_queue(block_id)
+            old_key = self.keys[block_id]
+            self.keys[block_id] = key
+            if in_queue:
+                self.free.add(block_id)
+            else:
+                self.free.discard(block_id)
+            if not check:
+                continue
+            if old_key is not None and old_key != key and view.map_has(old_key, block_id):
+                inv.map_entry(block_id, old_key, key)
+            inv.block_cache_entry(block_id, key, key is not None and view.map_has(key, block_id), view.num_groups,
+                                  block_id == null)
+            if block_id == null:
+                if in_queue:
+                    raise Violation("null-block-free", "the null block is in the free queue", blocks=[block_id])
+                continue
+            holders = self.holders[block_id]
+            if ref_cnt != holders or len(self.groups[block_id]) > 1 or (holders > 1 and key is None):
+                who = self._who(block_id)
+                inv.block_ref_cnt(block_id, ref_cnt, holders, who)
+                inv.block_single_group(block_id, self.groups[block_id], who)
+                inv.block_shared_only_if_cached(block_id, holders, key, who)
+            inv.block_queue_membership(block_id, ref_cnt, in_queue)
+            if not view.links_consistent(block_id):
+                raise Violation("free-queue-links", f"block {block_id}'s free-queue neighbours do not link back to it",
+                                blocks=[block_id])
+        if check and len(self.free) != view.num_free_blocks:
+            raise Violation("free-count", f"{len(self.free)} blocks are linked into the free queue but it reports "
+                            f"{view.num_free_blocks}")
+        if check:
+            in_use = view.num_blocks - 1 - len(self.free)
+            inv.check_conservation_counts(view, in_use)
+
+    def tables_by_id(self) -> dict:
+        return {key: [b.block_id for b in t] for key, t in self.tables.items()}
