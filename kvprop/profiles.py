@@ -21,15 +21,19 @@ DATABASE_DIR = ".hypothesis/examples"
 
 
 def register() -> None:
-    common = dict(deadline=None, suppress_health_check=QUIET_CHECKS, stateful_step_count=40)
-    settings.register_profile("dev", max_examples=60, database=DirectoryBasedExampleDatabase(DATABASE_DIR), **common)
-    settings.register_profile("ci", max_examples=150, derandomize=True, database=None, print_blob=False, **common)
+    # Every profile starts from Hypothesis's own defaults, never from whichever profile is loaded.
+    base = settings.get_profile("default")
+    common = dict(deadline=None, suppress_health_check=QUIET_CHECKS, stateful_step_count=40, derandomize=False)
+    settings.register_profile("dev", base, max_examples=60, database=DirectoryBasedExampleDatabase(DATABASE_DIR),
+                              **common)
+    settings.register_profile("ci", base, max_examples=150, database=None, print_blob=False,
+                              **{**common, "derandomize": True})
     settings.register_profile(
-        "fuzz", max_examples=1_000_000, database=DirectoryBasedExampleDatabase(DATABASE_DIR),
+        "fuzz", base, max_examples=1_000_000, database=DirectoryBasedExampleDatabase(DATABASE_DIR),
         **{**common, "stateful_step_count": 60},
     )
     settings.register_profile(
-        "repro", max_examples=1, database=DirectoryBasedExampleDatabase(DATABASE_DIR),
+        "repro", base, max_examples=1, database=DirectoryBasedExampleDatabase(DATABASE_DIR),
         phases=[Phase.explicit, Phase.reuse, Phase.shrink], verbosity=Verbosity.verbose, **common,
     )
 
