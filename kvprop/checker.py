@@ -38,6 +38,7 @@ class Checker(Hooks):
         self.full_every = full_every
         self.mirror: Mirror | None = None
         self.signatures: dict = {}
+        self.dirty: set = set()
         self.num_checks = 0
 
     def incremental(self, engine) -> bool:
@@ -50,7 +51,8 @@ class Checker(Hooks):
             return None
         if not self.incremental(engine):
             return inv.snapshot(engine.view, request.request_id)
-        self.check_structure(engine)
+        self.dirty.add(request.request_id)
+        self.check_structure(engine, in_step=True)
         view = engine.view
         return [view.request_block_ids(g, request.request_id) for g in range(view.num_groups)]
 
@@ -63,11 +65,15 @@ class Checker(Hooks):
             else:
                 self.check_structure(engine, {request.request_id: computed}, frozenset([request.request_id]))
             return
+        self.dirty.add(request.request_id)
         if result is None:
             self._check_refusal_changes(engine, request.request_id, token)
-            self.check_structure(engine)
+            self.check_structure(engine, in_step=True)
         else:
-            self.check_structure(engine, {request.request_id: computed}, frozenset([request.request_id]))
+            self.check_structure(engine, {request.request_id: computed}, frozenset([request.request_id]), in_step=True)
+
+    def after_free(self, engine, request) -> None:
+        self.dirty.add(request.request_id)
 
     def _check_refusal_changes(self, engine, request_id, before) -> None:
         """8, incrementally: a refused allocation touched only the blocks its window skipping freed."""
@@ -91,8 +97,12 @@ class Checker(Hooks):
 
     # ---- checks -------------------------------------------------------------------------
 
-    def check_structure(self, engine, pending=None, admitted_now=frozenset()):
-        """Invariants 1-6; returns what the data check needs."""
+    def check_structure(self, engine, pending=None, admitted_now=frozenset(), in_step: bool = False):
+        """Invariants 1-6; returns what the data check needs.
+
+        Inside a step (``in_step``) the incremental check compares only the tables of requests
+        the engine allocated for or freed since the last check; between operations it compares
+        every table, so a change to anyone else's table is still caught at the step's end."""
         view = engine.view
         if not self.incremental(engine):
             tables = inv.gather_tables(view)
@@ -105,14 +115,17 @@ class Checker(Hooks):
         if self.mirror is None:
             self.mirror = Mirror(view)
         changed = view.take_changes()
-        changed_tables = self.mirror.sync(changed)
+        changed_tables = self.mirror.sync(changed, requests=self.dirty if in_step else None)
+        self.dirty = set()
         only = {rid for rid, _ in changed_tables} | set(pending or ()) | set(admitted_now)
-        # Waiting requests hold no table; one that gains or loses a table shows in changed_tables.
-        for request in [*engine.running, *engine.loading.values()]:
-            sig = (request.status, request.num_computed_tokens, request.num_tokens, request.pending_external)
-            if self.signatures.get(request.request_id) != sig:
-                self.signatures[request.request_id] = sig
-                only.add(request.request_id)
+        if not in_step:
+            # Progress changes between operations; waiting requests hold no table, and one that
+            # gains or loses a table shows in changed_tables.
+            for request in [*engine.running, *engine.loading.values()]:
+                sig = (request.status, request.num_computed_tokens, request.num_tokens, request.pending_external)
+                if self.signatures.get(request.request_id) != sig:
+                    self.signatures[request.request_id] = sig
+                    only.add(request.request_id)
         inv.check_tables(engine, view, IdTables(self.mirror), self.mirror.keys, pending or {}, admitted_now, only)
         return None, self.mirror.keys, changed
 

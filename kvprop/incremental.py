@@ -40,15 +40,21 @@ class Mirror:
                 del groups[key[1]]
             affected.add(block_id)
 
-    def sync(self, changed: set, check: bool = True) -> set:
-        """Fold in the tables that changed; judge every affected block. Returns changed table keys."""
+    def sync(self, changed: set, check: bool = True, requests: set | None = None) -> set:
+        """Fold in the tables that changed; judge every affected block. Returns changed table keys.
+
+        ``requests`` limits the table comparison to those request ids (inside a step, where the
+        engine knows whose tables it asked to change); None compares every table."""
         view = self.view
         seen, changed_tables = set(), set()
         for g in range(view.num_groups):
-            for rid in list(view.request_ids(g)):
+            rids = list(view.request_ids(g)) if requests is None else requests
+            for rid in rids:
                 key = (rid, g)
-                seen.add(key)
                 live = view.raw_table(g, rid)
+                if live is None:
+                    continue
+                seen.add(key)
                 old = self.tables.get(key)
                 if old is not None and old == live:
                     continue
@@ -57,7 +63,12 @@ class Mirror:
                 self.tables[key] = list(live)
                 self._count(key, live, +1, changed)
                 changed_tables.add(key)
-        for key in [k for k in self.tables if k not in seen]:
+        if requests is None:
+            stale = [k for k in self.tables if k not in seen]
+        else:
+            stale = [k for k in ((r, g) for r in requests for g in range(view.num_groups))
+                     if k in self.tables and k not in seen]
+        for key in stale:
             self._count(key, self.tables.pop(key), -1, changed)
             changed_tables.add(key)
         if check:

@@ -169,8 +169,9 @@ def check_tables(engine, view, tables, keys, pending: dict, admitted_now: frozen
     def admitted(rid):
         return rid in admitted_now or (rid in requests and engine.is_admitted(requests[rid]))
 
-    for (rid, g) in tables:
-        if (only is None or rid in only) and not admitted(rid):
+    table_keys = tables if only is None else [(rid, g) for rid in only for g in range(view.num_groups)]
+    for (rid, g) in table_keys:
+        if tables.get((rid, g)) is not None and not admitted(rid):
             raise Violation("table-without-admission", f"{rid!r} has a table in group {g} but is not admitted",
                             requests=[rid], groups=[g])
     for rid in requests if only is None else only:

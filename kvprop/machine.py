@@ -39,6 +39,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     variant: str | None = None
     target: str | None = None
     device: str | None = None
+    checks: bool = True
     events_seen: set = set()
     failures: list = []
     counters: dict = {"examples": 0, "steps": 0}
@@ -53,7 +54,8 @@ class KVCacheMachine(RuleBasedStateMachine):
     @initialize(config=configs())
     def configure(self, config):
         type(self).counters["examples"] += 1
-        self.harness = ops.Harness(config, variant=self.variant, target=self.target, device=self.device)
+        self.harness = ops.Harness(config, variant=self.variant, target=self.target, device=self.device,
+                                   checks=self.checks)
 
     def record_failure(self, error: BaseException, at_drain: bool) -> None:
         """Keep what failed as a plain trace: (config, operations, error, failed in the drain)."""
@@ -126,14 +128,15 @@ class KVCacheMachine(RuleBasedStateMachine):
             raise
 
 
-def machine_for(variant: str | None = None, target: str | None = None, device: str | None = None) -> type:
+def machine_for(variant: str | None = None, target: str | None = None, device: str | None = None,
+                checks: bool = True) -> type:
     """A machine class bound to one allocator, with its own event and failure records."""
     from kvprop.variants import get_variant
 
     get_variant(variant)
     name = f"KVCacheMachine_{(variant or target or 'correct').replace('-', '_').replace(':', '_').replace('.', '_')}"
     return type(name, (KVCacheMachine,), {
-        "variant": variant, "target": target, "device": device, "events_seen": set(), "failures": [],
+        "variant": variant, "target": target, "device": device, "checks": checks, "events_seen": set(), "failures": [],
         "counters": {"examples": 0, "steps": 0},
     })
 

@@ -88,7 +88,8 @@ class AddRequest:
 
 @attrs.frozen
 class AddLargeRequest:
-    """Pool pressure: an earlier prompt extended to the largest request the pool can hold."""
+    """Pool pressure: an earlier prompt extended to the largest request the blocks free now can hold
+    (after what waiting requests need), so the pool is driven to exactly full and then cycles."""
 
     parent: int
     seed: int
@@ -96,7 +97,8 @@ class AddLargeRequest:
 
     def apply(self, h: Harness) -> str:
         cfg = h.engine.config
-        per_group = cfg.allocator.usable_blocks // len(cfg.allocator.groups)
+        waiting = sum(h.engine.max_blocks_needed(r.num_tokens) for r in h.engine.waiting)
+        per_group = max(0, h.engine.view.num_free_blocks - waiting) // len(cfg.allocator.groups)
         total = per_group * cfg.allocator.block_size - cfg.lookahead
         if total < 2:
             h.prompts.append([])
@@ -126,7 +128,8 @@ class Step:
 
 @attrs.frozen
 class PublishPrefix:
-    """A remote prefill node computes a prefix: the connector can now supply its blocks."""
+    """Disaggregated prefill: a remote prefill node computes a prompt (an earlier one, cut and
+    extended), the connector can now supply its blocks, and the request arrives here to decode."""
 
     parent: int
     cut: int
@@ -139,7 +142,8 @@ class PublishPrefix:
         h.prompts.append(tokens)
         if h.engine.connector is None:
             return "no connector"
-        return f"published {h.engine.connector.publish_prefix(tokens)} blocks of {tokens}"
+        published = h.engine.connector.publish_prefix(tokens)
+        return f"published {published} blocks of {tokens}; " + h.add_request(tokens, 1)
 
 
 @attrs.frozen
