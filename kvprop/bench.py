@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_a
 
 from kvprop import fuzz, profiles
 from kvprop.checker import Checker
-from kvprop.machine import machine_for
+from kvprop.machine import machine_for, trace_length
 from kvprop.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow
 from kvprop.variants import VARIANTS, make_engine
 from kvprop.walk import plan, run_walk
@@ -136,7 +136,7 @@ def time_to_find(quick: bool) -> list[dict]:
                 best = result.minimised
                 secs.append(result.seconds_to_find)
                 steps.append(result.steps)
-                shrunk.append(len(best.steps) + (best.failure.step >= len(best.steps)))
+                shrunk.append(trace_length(best))
             rows.append({
                 "variant": variant, "engine": engine, "seeds": len(seeds), "found": len(secs),
                 "median_s": round(statistics.median(secs), 2) if secs else None,

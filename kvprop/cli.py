@@ -128,6 +128,7 @@ def cmd_emit_test(args) -> int:
 
 def cmd_bugs(args) -> int:
     from kvprop import fuzz
+    from kvprop.machine import trace_length
     from kvprop.variants import VARIANTS
 
     rows = []
@@ -140,7 +141,7 @@ def cmd_bugs(args) -> int:
             "variant": name, "engine": args.engine, "found": result.found is not None,
             "seconds": round(result.seconds_to_find, 3) if result.found else None,
             "steps": result.steps if result.found else None,
-            "shrunk_steps": len(best.steps) + (best.failure.step >= len(best.steps)) if best else None,
+            "shrunk_steps": trace_length(best) if best else None,
         })
         if not args.json:
             r = rows[-1]

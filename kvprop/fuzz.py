@@ -20,7 +20,7 @@ import attrs
 from kvprop import regress, trace as tr
 from kvprop.engine import EVENTS
 from kvprop.minimise import minimise
-from kvprop.trace import Failure, Trace, failure_kind
+from kvprop.trace import Trace
 
 ENGINES = ("walk", "hypothesis")
 REPORT_EVERY = 0.5
@@ -82,7 +82,7 @@ def _hypothesis_worker(index: int, opts: FuzzOptions, out, stop) -> None:
     from hypothesis.stateful import run_state_machine_as_test
 
     from kvprop import profiles
-    from kvprop.machine import machine_for
+    from kvprop.machine import failure_trace, machine_for
 
     profiles.load("fuzz")
     machine = machine_for(opts.variant, opts.target, opts.device)
@@ -92,14 +92,11 @@ def _hypothesis_worker(index: int, opts: FuzzOptions, out, stop) -> None:
         try:
             run_state_machine_as_test(hseed(s)(machine), settings=settings(settings.default, max_examples=25))
         except BaseException as e:  # noqa: BLE001 - any failure of the machine is a finding
-            config, steps, error, at_drain = machine.failures[-1] if machine.failures else (None, (), e, False)
             _progress(out, machine, before)
-            if config is None:
+            if not machine.failures:
                 out.put(("crash", f"{type(e).__name__}: {e}"))
                 return
-            found = Trace(config=config, steps=steps, variant=opts.variant, target=opts.target, seed=s,
-                          engine="hypothesis", failure=Failure(len(steps) - (not at_drain), failure_kind(error), str(error)))
-            out.put(("failure", tr.to_dict(found)))
+            out.put(("failure", tr.to_dict(attrs.evolve(failure_trace(machine), seed=s))))
             return
         _progress(out, machine, before)
         s += opts.workers

@@ -141,7 +141,15 @@ def machine_for(variant: str | None = None, target: str | None = None, device: s
     })
 
 
-def shrunk_length(machine: type) -> int:
-    """Rule steps in the last (shrunk) failing example, the final drain counted as one."""
-    _, steps, _, at_drain = machine.failures[-1]
-    return len(steps) + at_drain
+def failure_trace(machine: type):
+    """The machine's last failing example as a kvprop trace (replayable, minimisable)."""
+    from kvprop.trace import Failure, Trace, failure_kind
+
+    config, steps, error, at_drain = machine.failures[-1]
+    return Trace(config=config, steps=steps, variant=machine.variant, target=machine.target, engine="hypothesis",
+                 failure=Failure(len(steps) - (not at_drain), failure_kind(error), str(error)))
+
+
+def trace_length(trace) -> int:
+    """Rule steps in a trace, counting the final drain as one when that is where it fails."""
+    return len(trace.steps) + (trace.failure is not None and trace.failure.step >= len(trace.steps))

@@ -3,6 +3,10 @@
 ``CI=true`` would otherwise make Hypothesis load its own ``ci`` profile silently. Each
 profile sets ``deadline`` and ``suppress_health_check`` itself, because a machine's own
 ``@settings`` would drop the stateful defaults.
+
+``ci`` and ``fuzz`` leave out Hypothesis's shrink phase: on a 100-step failing example it
+ran into Hypothesis's 300 s shrinking limit here, while kvprop's own minimiser shrinks the
+same failure (as a trace) in seconds. ``dev`` and ``repro`` keep it.
 """
 
 from __future__ import annotations
@@ -26,11 +30,12 @@ def register() -> None:
     common = dict(deadline=None, suppress_health_check=QUIET_CHECKS, stateful_step_count=40, derandomize=False)
     settings.register_profile("dev", base, max_examples=60, database=DirectoryBasedExampleDatabase(DATABASE_DIR),
                               **common)
-    settings.register_profile("ci", base, max_examples=150, database=None, print_blob=False,
-                              **{**common, "derandomize": True})
+    no_shrink = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target]
+    settings.register_profile("ci", base, max_examples=150, database=None, print_blob=False, phases=no_shrink,
+                              **{**common, "derandomize": True, "stateful_step_count": 100})
     settings.register_profile(
-        "fuzz", base, max_examples=1_000_000, database=DirectoryBasedExampleDatabase(DATABASE_DIR),
-        **{**common, "stateful_step_count": 60},
+        "fuzz", base, max_examples=1_000_000, database=DirectoryBasedExampleDatabase(DATABASE_DIR), phases=no_shrink,
+        **{**common, "stateful_step_count": 100},
     )
     settings.register_profile(
         "repro", base, max_examples=1, database=DirectoryBasedExampleDatabase(DATABASE_DIR),

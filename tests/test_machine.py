@@ -2,7 +2,7 @@
 and a failure prints as a program a person can run."""
 
 import pytest
-from hypothesis import settings
+from hypothesis import Phase, settings
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
@@ -42,7 +42,7 @@ def test_a_failing_case_prints_as_a_runnable_step_program():
     machine = machine_for("swa-skip-off-by-one")
     lines = []
     with with_reporter(lines.append), pytest.raises(Violation) as info:
-        run_state_machine_as_test(machine, settings=_settings(max_examples=300))
+        run_state_machine_as_test(machine, settings=_settings(max_examples=300, phases=list(Phase)))
     printed = "\n".join(lines + list(getattr(info.value, "__notes__", [])))
     program = printed[printed.index("state = ") :]
     program = program[: program.index("state.teardown()") + len("state.teardown()")]
