@@ -139,11 +139,11 @@ class PublishPrefix:
 
     def apply(self, h: Harness) -> str:
         tokens = h.derive_tokens(self.parent, self.cut, self.extra, self.seed)
-        h.prompts.append(tokens)
         if h.engine.connector is None:
+            h.prompts.append(tokens)
             return "no connector"
         published = h.engine.connector.publish_prefix(tokens)
-        return f"published {published} blocks of {tokens}; " + h.add_request(tokens, 1)
+        return f"published {published} blocks; " + h.add_request(tokens, 1)
 
 
 @attrs.frozen
@@ -161,6 +161,15 @@ class FinishLoad:
         rid = loading[self.index % len(loading)]
         h.engine.finish_load(rid, bool(self.ok))
         return f"load of {rid} {'completed' if self.ok else 'failed'}"
+
+
+def show_tokens(tokens: list[int]) -> str:
+    """A prompt as a person reads it in a step log: short ones whole, long ones abridged."""
+    if len(tokens) <= 16:
+        return str(tokens)
+    head = ", ".join(map(str, tokens[:8]))
+    tail = ", ".join(map(str, tokens[-4:]))
+    return f"[{head}, ... {len(tokens) - 12} more ..., {tail}] ({len(tokens)} tokens)"
 
 
 def _pick(ids, index):
@@ -256,7 +265,7 @@ class Harness:
             request = self.engine.add_request(prompt, max_new_tokens)
         except RequestError as e:
             return f"rejected: {e}"
-        return f"{request.request_id} = {prompt} (+{max_new_tokens} new)"
+        return f"{request.request_id} = {show_tokens(prompt)} (+{max_new_tokens} new)"
 
     def apply(self, op) -> str:
         outcome = op.apply(self)
