@@ -42,7 +42,7 @@ def cmd_fuzz(args) -> int:
         return EXIT_FOUND + 2
     opts = fuzz.FuzzOptions(seconds=args.seconds, workers=args.workers, seed=args.seed, engine=args.engine,
                             variant=args.variant, target=args.target, device=args.device, out=Path(args.out),
-                            max_ops=args.max_ops, max_runs=args.max_runs)
+                            max_ops=args.max_ops, max_runs=args.max_runs, redis=args.redis)
     label = f"variant {args.variant}" if args.variant else f"target {args.target or 'kvprop'}"
     print(f"kvprop {__version__} fuzz: engine {args.engine}, {label}, {args.workers} workers, "
           f"{args.seconds:g}s budget, seed {args.seed}", flush=True)
@@ -52,8 +52,11 @@ def cmd_fuzz(args) -> int:
               f"events reached: {len(result.events)}")
         return 0
     best = result.minimised or result.found
-    print(f"\nFOUND {best.failure.kind} after {result.seconds_to_find:.1f}s ({args.engine} seed {result.found.seed}); "
-          f"{len(result.found.steps)} operations minimised to {len(best.steps)}:")
+    if result.shared:
+        print(f"\nFOUND {best.failure.kind} by another machine (shared store); {len(best.steps)} operations:")
+    else:
+        print(f"\nFOUND {best.failure.kind} after {result.seconds_to_find:.1f}s ({args.engine} seed "
+              f"{result.found.seed}); {len(result.found.steps)} operations minimised to {len(best.steps)}:")
     _print_steps(best, args.variant, args.target, args.device)
     trace_path, test_path = fuzz.write_counterexample(best, Path(args.out))
     print(f"\nwrote {trace_path}\nwrote {test_path}\nreplay: kvprop replay {trace_path}")
@@ -190,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--max-runs", type=int, default=None,
                    help="stop each worker after this many runs/examples (a deterministic budget, for CI)")
     f.add_argument("--canary", action="store_true", help="first prove the harness finds a known bug")
+    f.add_argument("--redis", default=None, metavar="URL",
+                   help="share failures with other machines through Redis (needs the redis extra)")
     f.add_argument("--canary-seconds", type=float, default=30.0)
     target_args(f)
     f.set_defaults(func=cmd_fuzz)

@@ -20,7 +20,7 @@ import attrs
 from kvprop import regress, trace as tr
 from kvprop.engine import EVENTS
 from kvprop.minimise import minimise
-from kvprop.trace import Trace
+from kvprop.trace import Trace, execute
 
 ENGINES = ("walk", "hypothesis")
 REPORT_EVERY = 0.5
@@ -40,6 +40,7 @@ class FuzzOptions:
     max_ops: int = 200
     minimise: bool = True
     max_runs: int | None = None  # a deterministic budget: stop after this many runs (walk) / examples
+    redis: str | None = None  # share failures with other machines through this Redis URL
 
 
 @attrs.frozen
@@ -51,6 +52,7 @@ class FuzzResult:
     seconds: float
     events: frozenset
     seconds_to_find: float | None = None
+    shared: bool = False  # found by another machine, through the shared store
 
 
 # ---- workers ------------------------------------------------------------------------------
@@ -86,11 +88,16 @@ def _hypothesis_worker(index: int, opts: FuzzOptions, out, stop) -> None:
 
     profiles.load("fuzz")
     machine = machine_for(opts.variant, opts.target, opts.device)
+    chunk = settings(settings.default, max_examples=25)
+    if opts.redis:
+        from kvprop.shared_store import hypothesis_database
+
+        chunk = settings(chunk, database=hypothesis_database(opts.redis))
     s = opts.seed + index
     while not stop.is_set() and (opts.max_runs is None or machine.counters["examples"] < opts.max_runs):
         before = dict(machine.counters)
         try:
-            run_state_machine_as_test(hseed(s)(machine), settings=settings(settings.default, max_examples=25))
+            run_state_machine_as_test(hseed(s)(machine), settings=chunk)
         except BaseException as e:  # noqa: BLE001 - any failure of the machine is a finding
             _progress(out, machine, before)
             if not machine.failures:
@@ -119,8 +126,30 @@ def _worker(index, opts, out, stop):
 # ---- the parent ---------------------------------------------------------------------------
 
 
+def _from_store(opts: FuzzOptions, store, status) -> Trace | None:
+    """A trace another machine stored that still fails here, if any."""
+    for trace in store.traces():
+        if execute(trace, variant=opts.variant, target=opts.target, device=opts.device) is not None:
+            if status:
+                status(f"a trace from the shared store still fails ({trace.failure.kind if trace.failure else '?'})")
+            return trace
+    return None
+
+
 def search(opts: FuzzOptions, status=None) -> FuzzResult:
-    """Run workers until the budget ends or one finds a failure (``status`` gets status lines)."""
+    """Run workers until the budget ends or one finds a failure (``status`` gets status lines).
+
+    With ``opts.redis``, stored traces for this target are replayed first, a find is pushed
+    for the other machines, and a find pushed by another machine ends this search too."""
+    store = None
+    if opts.redis:
+        from kvprop.shared_store import TraceStore
+
+        store = TraceStore(opts.redis, opts.target, opts.variant)
+        known = _from_store(opts, store, status)
+        if known is not None:
+            return FuzzResult(known, known, 0, 0, 0.0, frozenset(), 0.0, shared=True)
+        seen = len(store)
     ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
     out, stop = ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=_worker, args=(i, opts, out, stop), daemon=True) for i in range(opts.workers)]
@@ -131,6 +160,7 @@ def search(opts: FuzzOptions, status=None) -> FuzzResult:
     events: set = set()
     found = None
     found_at = None
+    shared = False
     last_status = start
     crash = None
     try:
@@ -152,9 +182,12 @@ def search(opts: FuzzOptions, status=None) -> FuzzResult:
                     found, found_at = tr.from_dict(msg[1]), time.monotonic() - start
                 elif msg[0] == "crash":
                     crash = msg[1]
-            if status and time.monotonic() - last_status >= STATUS_EVERY:
+            if time.monotonic() - last_status >= STATUS_EVERY:
                 last_status = time.monotonic()
-                status(_status_line(time.monotonic() - start, runs, steps, events, found))
+                if status:
+                    status(_status_line(time.monotonic() - start, runs, steps, events, found))
+                if store is not None and found is None and len(store) > seen:
+                    found, found_at, shared = store.traces(seen)[0], time.monotonic() - start, True
     finally:
         stop.set()
         deadline = time.monotonic() + 5
@@ -178,9 +211,12 @@ def search(opts: FuzzOptions, status=None) -> FuzzResult:
     if status:
         status(_status_line(elapsed, runs, steps, events, found))
     minimised = None
-    if found is not None and opts.minimise:
+    if found is not None and opts.minimise and not shared:
         minimised = minimise(found, variant=opts.variant, target=opts.target, device=opts.device)
-    return FuzzResult(found, minimised, runs, steps, elapsed, frozenset(events), found_at)
+        if store is not None:
+            store.push(minimised)
+    return FuzzResult(found, minimised or (found if shared else None), runs, steps, elapsed, frozenset(events),
+                      found_at, shared)
 
 
 def _status_line(elapsed, runs, steps, events, found) -> str:

@@ -123,11 +123,16 @@ def _check_connector(instance, attribute, value):
         raise ConfigError(f"EngineConfig.connector must be one of {list(CONNECTOR_MODES)}, got {value!r}")
 
 
+def _check_allocator(value):
+    if not isinstance(value, AllocatorConfig):
+        raise ConfigError(f"EngineConfig.allocator must be an AllocatorConfig, got {type(value).__name__}: {value!r}")
+
+
 @attrs.frozen
 class EngineConfig:
     """The scheduler around the allocator: token budget, lookahead, connector, token alphabet."""
 
-    allocator: AllocatorConfig = attrs.field(validator=attrs.validators.instance_of(AllocatorConfig))
+    allocator: AllocatorConfig = attrs.field(validator=lambda i, a, v: _check_allocator(v))
     token_budget: int = attrs.field(default=64, validator=_int_at_least(1))
     lookahead: int = attrs.field(default=0, validator=_int_at_least(0, 16))
     connector: str = attrs.field(default="off", validator=_check_connector)
