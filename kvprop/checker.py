@@ -39,6 +39,7 @@ class Checker(Hooks):
         self.mirror: Mirror | None = None
         self.signatures: dict = {}
         self.dirty: set = set()
+        self.pending_changes: set = set()
         self.num_checks = 0
 
     def incremental(self, engine) -> bool:
@@ -51,9 +52,10 @@ class Checker(Hooks):
             return None
         if not self.incremental(engine):
             return inv.snapshot(engine.view, request.request_id)
-        self.dirty.add(request.request_id)
-        self.check_structure(engine, in_step=True)
         view = engine.view
+        # Set aside what changed before this allocation, so that afterwards the pool reports
+        # only what the allocation itself changed; both are judged after it.
+        self.pending_changes |= view.take_changes()
         return [view.request_block_ids(g, request.request_id) for g in range(view.num_groups)]
 
     def after_allocation(self, engine, request, token, result, computed: int) -> None:
@@ -89,7 +91,7 @@ class Checker(Hooks):
                                 f"table from {old} to {new}", requests=[request_id], groups=[g])
             freed.update(a for a, b in zip(old, new) if a != b)
         changed = view.take_changes()
-        view.pool.changed.update(changed)  # the structural check after this still needs them
+        self.pending_changes |= changed  # the structural check after this still judges them
         stray = sorted(changed - freed)
         if stray:
             raise Violation("refusal-changed-state", f"a refused allocation for {request_id!r} changed blocks {stray}, "
@@ -114,7 +116,8 @@ class Checker(Hooks):
             return tables, keys, None
         if self.mirror is None:
             self.mirror = Mirror(view)
-        changed = view.take_changes()
+        changed = view.take_changes() | self.pending_changes
+        self.pending_changes = set()
         changed_tables = self.mirror.sync(changed, requests=self.dirty if in_step else None)
         self.dirty = set()
         only = {rid for rid, _ in changed_tables} | set(pending or ()) | set(admitted_now)
@@ -155,6 +158,7 @@ class Checker(Hooks):
         if self.incremental(engine):
             self.mirror = Mirror(view)
             self.signatures.clear()
+            self.pending_changes = set()
 
 
 def drain(engine, checker: Checker, max_steps: int | None = None) -> int:

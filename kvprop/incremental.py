@@ -82,42 +82,44 @@ class Mirror:
         return {rid for (rid, _), t in self.tables.items() if any(b.block_id == block_id for b in t)}
 
     def _judge(self, changed: set, check: bool) -> None:
-        view, null = self.view, self.view.null_block_id
+        """Re-judge each changed block. The cheap test in front of each sentence only decides
+        whether to call it; the sentence in ``invariants`` decides and words the violation."""
+        view, null, num_groups = self.view, self.view.null_block_id, self.view.num_groups
+        keys, free, holders_of, groups_of = self.keys, self.free, self.holders, self.groups
         for block_id in changed:
-            ref_cnt, key = view.ref_cnt(block_id), view.cache_key(block_id)
-            in_queue = view.in_free_queue(block_id)
-            old_key = self.keys[block_id]
-            self.keys[block_id] = key
+            old_key = keys[block_id]
+            ref_cnt, key, in_queue, links_ok, in_map, stale = view.block_state(block_id, old_key)
+            keys[block_id] = key
             if in_queue:
-                self.free.add(block_id)
+                free.add(block_id)
             else:
-                self.free.discard(block_id)
+                free.discard(block_id)
             if not check:
                 continue
-            if old_key is not None and old_key != key and view.map_has(old_key, block_id):
+            if stale:
                 inv.map_entry(block_id, old_key, key)
-            inv.block_cache_entry(block_id, key, key is not None and view.map_has(key, block_id), view.num_groups,
-                                  block_id == null)
+            if key is not None and (not in_map or block_id == null or not 0 <= key[1] < num_groups):
+                inv.block_cache_entry(block_id, key, in_map, num_groups, block_id == null)
             if block_id == null:
                 if in_queue:
                     raise Violation("null-block-free", "the null block is in the free queue", blocks=[block_id])
                 continue
-            holders = self.holders[block_id]
-            if ref_cnt != holders or len(self.groups[block_id]) > 1 or (holders > 1 and key is None):
+            holders = holders_of[block_id]
+            if ref_cnt != holders or len(groups_of[block_id]) > 1 or (holders > 1 and key is None):
                 who = self._who(block_id)
                 inv.block_ref_cnt(block_id, ref_cnt, holders, who)
-                inv.block_single_group(block_id, self.groups[block_id], who)
+                inv.block_single_group(block_id, groups_of[block_id], who)
                 inv.block_shared_only_if_cached(block_id, holders, key, who)
-            inv.block_queue_membership(block_id, ref_cnt, in_queue)
-            if not view.links_consistent(block_id):
+            if ref_cnt < 0 or (ref_cnt == 0) != in_queue:
+                inv.block_queue_membership(block_id, ref_cnt, in_queue)
+            if not links_ok:
                 raise Violation("free-queue-links", f"block {block_id}'s free-queue neighbours do not link back to it",
                                 blocks=[block_id])
-        if check and len(self.free) != view.num_free_blocks:
-            raise Violation("free-count", f"{len(self.free)} blocks are linked into the free queue but it reports "
+        if check and len(free) != view.num_free_blocks:
+            raise Violation("free-count", f"{len(free)} blocks are linked into the free queue but it reports "
                             f"{view.num_free_blocks}")
         if check:
-            in_use = view.num_blocks - 1 - len(self.free)
-            inv.check_conservation_counts(view, in_use)
+            inv.check_conservation_counts(view, view.num_blocks - 1 - len(free))
 
     def tables_by_id(self) -> dict:
         return {key: [b.block_id for b in t] for key, t in self.tables.items()}

@@ -46,8 +46,7 @@ class Request:
         self.load_failed = False
         self.pending_external = 0
         self.registry = registry
-        for token in prompt:
-            self.append_token(token)
+        self.extend_tokens(prompt)
 
     def __repr__(self):
         return f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, {self.status.value})"
@@ -60,17 +59,33 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.tokens) - self.num_prompt_tokens
 
+    def extend_tokens(self, tokens) -> None:
+        """``append_token`` for many tokens at once (prompts), with the lookups hoisted."""
+        prefix, out, bs = self.prefix, self.tokens, self.block_size
+        previous = prefix[-1] if prefix else ROOT_HASH
+        for token in tokens:
+            previous = prefix_hash(previous, token)
+            prefix.append(previous)
+            out.append(token)
+            n = len(out)
+            if n % bs == 0:
+                self._close_block(n)
+
+    def _close_block(self, n: int) -> None:
+        bs = self.block_size
+        parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+        block_hash = hash_block(parent, self.tokens[n - bs :])
+        self.block_hashes.append(block_hash)
+        if self.registry is not None:
+            self.registry.setdefault(block_hash, (n // bs - 1, tuple(self.prefix[n - bs :])))
+
     def append_token(self, token: int) -> None:
         previous = self.prefix[-1] if self.prefix else ROOT_HASH
         self.tokens.append(token)
         self.prefix.append(prefix_hash(previous, token))
         n = len(self.tokens)
         if n % self.block_size == 0:
-            parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
-            block_hash = hash_block(parent, self.tokens[n - self.block_size :])
-            self.block_hashes.append(block_hash)
-            if self.registry is not None:
-                self.registry.setdefault(block_hash, (n // self.block_size - 1, tuple(self.prefix[n - self.block_size :])))
+            self._close_block(n)
 
     def next_token(self) -> int:
         """The token decoding produces next: a function of the prefix alone."""

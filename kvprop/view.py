@@ -82,6 +82,18 @@ class AllocatorView:
         """The live table (block objects, compared by identity); never mutate it."""
         return self.managers[group].req_to_blocks.get(request_id)
 
+    def block_state(self, block_id: int, old_key):
+        """(ref_cnt, key, in free queue, queue links consistent, in the map under key, still in
+        the map under ``old_key`` though the key changed) in one call, for the incremental checker."""
+        block = self.pool.blocks[block_id]
+        prev, nxt, key = block.prev, block.next, block.key
+        in_queue = prev is not None or nxt is not None
+        links_ok = not in_queue or (prev is not None and nxt is not None and prev.next is block and nxt.prev is block)
+        cached = self.pool.cached
+        in_map = key is not None and block_id in cached.get(key, ())
+        stale = old_key is not None and old_key != key and block_id in cached.get(old_key, ())
+        return block.ref_cnt, key, in_queue, links_ok, in_map, stale
+
     def in_free_queue(self, block_id: int) -> bool:
         block = self.pool.blocks[block_id]
         return block.prev is not None or block.next is not None

@@ -150,13 +150,7 @@ class VllmAllocator:
         self.config = config
         self.block_size = config.block_size
         self.num_groups = len(config.groups)
-        kv_cache_config = v.kvi.KVCacheConfig(
-            num_blocks=config.num_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=[v.kvi.KVCacheGroupSpec([f"layer{g}"], s) for g, s in enumerate(vllm_specs(config, v))],
-        )
         wanted = dict(
-            kv_cache_config=kv_cache_config,
             # no request can need more slots than the pool has
             max_model_len=config.num_blocks * self.block_size,
             scheduler_block_size=self.block_size,
@@ -164,12 +158,20 @@ class VllmAllocator:
             enable_caching=config.enable_caching,
         )
         params = _accepted(v.KVCacheManager.__init__)
-        missing = [n for n, d in params.items() if d is inspect.Parameter.empty and n not in wanted]
+        missing = [n for n, d in params.items()
+                   if d is inspect.Parameter.empty and n not in wanted and n != "kv_cache_config"]
         if missing:
             raise ConfigError(f"target 'vllm': vLLM {v.version}'s KVCacheManager needs {missing}, which kvprop cannot supply")
         try:
+            wanted["kv_cache_config"] = v.kvi.KVCacheConfig(
+                num_blocks=config.num_blocks,
+                kv_cache_tensors=[],
+                kv_cache_groups=[v.kvi.KVCacheGroupSpec([f"layer{g}"], s) for g, s in enumerate(vllm_specs(config, v))],
+            )
             self.manager = v.KVCacheManager(**_call_kwargs("KVCacheManager()", params, wanted))
-        except (AssertionError, ValueError, NotImplementedError) as e:
+        except ConfigError:
+            raise
+        except (AssertionError, ValueError, TypeError, NotImplementedError) as e:
             raise ConfigError(f"target 'vllm': vLLM {v.version} cannot build an allocator for {config}: "
                               f"{type(e).__name__}: {e}") from e
         self.pool = self.manager.block_pool
