@@ -11,16 +11,17 @@ import statistics
 import time
 
 import attrs
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
 
 from kvprop import fuzz, profiles
 from kvprop.checker import Checker
 from kvprop.machine import machine_for, trace_length
 from kvprop.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow
-from kvprop.variants import VARIANTS, make_engine
-from kvprop.walk import plan, run_walk
 from kvprop.trace import execute
+from kvprop.variants import VARIANTS, make_engine
+from kvprop.walk import plan
 
 
 def _walk_rate(seconds: float, checks: bool, num_blocks: int = 64) -> tuple[float, int]:

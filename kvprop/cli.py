@@ -119,7 +119,8 @@ def cmd_shrink(args) -> int:
 
 
 def cmd_emit_test(args) -> int:
-    from kvprop import regress, trace as tr
+    from kvprop import regress
+    from kvprop import trace as tr
 
     trace = tr.load(args.file)
     source = regress.render(trace, source=Path(args.file).name)

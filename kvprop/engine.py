@@ -100,9 +100,9 @@ class Engine:
 
     def add_request(self, prompt, max_new_tokens: int) -> Request:
         prompt = list(prompt)
-        if not prompt or any((not isinstance(t, int)) or t < 0 for t in prompt):
+        if not prompt or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in prompt):
             raise RequestError(f"add_request: prompt must be a non-empty list of token ids >= 0, got {prompt!r}")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise RequestError(f"add_request: max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         need = self.max_blocks_needed(len(prompt) + max_new_tokens)
         usable = self.config.allocator.usable_blocks

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import attrs
 
-from kvprop import regress, trace as tr
+from kvprop import regress
+from kvprop import trace as tr
 from kvprop.engine import EVENTS
 from kvprop.minimise import minimise
 from kvprop.trace import Trace, execute
@@ -80,7 +81,8 @@ def _walk_worker(index: int, opts: FuzzOptions, out, stop) -> None:
 
 
 def _hypothesis_worker(index: int, opts: FuzzOptions, out, stop) -> None:
-    from hypothesis import seed as hseed, settings
+    from hypothesis import seed as hseed
+    from hypothesis import settings
     from hypothesis.stateful import run_state_machine_as_test
 
     from kvprop import profiles

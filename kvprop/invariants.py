@@ -233,19 +233,7 @@ def check_data(engine, view, tables, keys) -> None:
                 slots.append(block_id * bs + p % bs)
                 expected.append(fingerprint(g, p, prefix[p]))
                 origin.append((rid, g, p, block_id))
-    for block_id, key in enumerate(keys):
-        if key is None:
-            continue
-        rows = engine.expected_cached_row(key)
-        if rows is None:
-            continue
-        start, row = rows
-        slots.extend(range(block_id * bs, block_id * bs + bs))
-        expected.extend(row)
-        origin.extend((f"cached{key}", key[1], start + j, block_id) for j in range(bs))
-    slots.extend(range(null * bs, null * bs + bs))
-    expected.extend([UNWRITTEN] * bs)
-    origin.extend(("null block", -1, j, null) for j in range(bs))
+    _expect_cached_and_null(engine, view, [(b, k) for b, k in enumerate(keys) if k is not None], slots, expected, origin)
     report_mismatch(memory, slots, expected, origin)
 
 
@@ -253,12 +241,20 @@ def check_recent_data(engine, view, changed_cached) -> None:
     """7, incrementally: every write since the last check reads back (two writers of one
     slot in a step cannot both), every block that changed and is cached holds its hash's
     data, and the null block is unwritten."""
-    bs, null, memory = view.block_size, view.null_block_id, engine.memory
+    bs, memory = view.block_size, engine.memory
     slots, expected = memory.take_recent_writes()
     if not slots and not changed_cached:
         return
     origin = [("a write this step", -1, s % bs, s // bs) for s in slots]
-    for block_id, key in changed_cached:
+    _expect_cached_and_null(engine, view, changed_cached, slots, expected, origin)
+    report_mismatch(memory, slots, expected, origin)
+
+
+def _expect_cached_and_null(engine, view, cached, slots, expected, origin) -> None:
+    """Add what each (block, key) in ``cached`` must hold (its hash's prefix data, where the
+    hash is known) and what the null block must hold (nothing ever written)."""
+    bs, null = view.block_size, view.null_block_id
+    for block_id, key in cached:
         rows = engine.expected_cached_row(key)
         if rows is None:
             continue
@@ -269,7 +265,6 @@ def check_recent_data(engine, view, changed_cached) -> None:
     slots.extend(range(null * bs, null * bs + bs))
     expected.extend([UNWRITTEN] * bs)
     origin.extend(("null block", -1, j, null) for j in range(bs))
-    report_mismatch(memory, slots, expected, origin)
 
 
 def report_mismatch(memory, slots, expected, origin) -> None:

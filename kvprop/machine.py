@@ -7,7 +7,8 @@ swarm: Hypothesis varies which rules run, the sampler varies the allocator's sha
 
 from __future__ import annotations
 
-from hypothesis import event, strategies as st
+from hypothesis import event
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from kvprop import operations as ops

@@ -176,6 +176,14 @@ def _pick(ids, index):
     return ids[index % len(ids)] if ids else None
 
 
+def _on_running(h: Harness, index: int, action, verb: str) -> str:
+    rid = _pick([r.request_id for r in h.engine.running], index)
+    if rid is None:
+        return "nothing running"
+    action(rid)
+    return f"{verb} {rid}"
+
+
 @attrs.frozen
 class Preempt:
     """The scheduler preempts a running request (as for a higher-priority arrival)."""
@@ -184,11 +192,7 @@ class Preempt:
     ARGS: ClassVar = {"index": (0, 7)}
 
     def apply(self, h: Harness) -> str:
-        rid = _pick([r.request_id for r in h.engine.running], self.index)
-        if rid is None:
-            return "nothing running"
-        h.engine.preempt(rid)
-        return f"preempted {rid}"
+        return _on_running(h, self.index, h.engine.preempt, "preempted")
 
 
 @attrs.frozen
@@ -214,11 +218,7 @@ class Finish:
     ARGS: ClassVar = {"index": (0, 7)}
 
     def apply(self, h: Harness) -> str:
-        rid = _pick([r.request_id for r in h.engine.running], self.index)
-        if rid is None:
-            return "nothing running"
-        h.engine.finish(rid)
-        return f"finished {rid}"
+        return _on_running(h, self.index, h.engine.finish, "finished")
 
 
 @attrs.frozen

@@ -12,7 +12,7 @@ import random
 
 import attrs
 
-from kvprop.operations import OPERATIONS, RandomChooser, Step, AddRequest, sample_config
+from kvprop.operations import OPERATIONS, AddRequest, RandomChooser, Step, sample_config
 from kvprop.trace import Failure, Trace, execute
 
 WEIGHT_CHOICES = (0, 1, 2, 4)

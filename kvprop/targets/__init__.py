@@ -13,7 +13,8 @@ import importlib
 
 from kvprop.engine import Engine
 from kvprop.errors import ConfigError
-from kvprop.variants import CORRECT, make_engine as make_variant_engine
+from kvprop.variants import CORRECT
+from kvprop.variants import make_engine as make_variant_engine
 
 BUILTIN = {"vllm": "kvprop.targets.vllm:make_target"}
 

@@ -273,6 +273,8 @@ class VllmView:
         self.num_groups = len(self.managers)
         self.null_block_id = self.pool.null_block.block_id
         self._names: dict = {}  # vLLM key -> kvprop key, for keys whose hash is recorded
+        self._vllm_keys: dict = {}  # kvprop key -> the vLLM key it was read from
+        self._states = self._block_states()
 
     def ref_cnt(self, block_id: int) -> int:
         return self.pool.blocks[block_id].ref_cnt
@@ -289,8 +291,10 @@ class VllmView:
             block_hash = self.kvu.get_block_hash(vllm_key)
             name = self.allocator.hash_names.get(block_hash)
             if name is None:
-                return (f"vllm:{block_hash.hex()[:16]}", self.kvu.get_group_id(vllm_key))
-            key = self._names[vllm_key] = (name, self.kvu.get_group_id(vllm_key))
+                key = (f"vllm:{block_hash.hex()[:16]}", self.kvu.get_group_id(vllm_key))
+            else:
+                key = self._names[vllm_key] = (name, self.kvu.get_group_id(vllm_key))
+            self._vllm_keys[key] = vllm_key
         return key
 
     def cache_key(self, block_id: int):
@@ -352,3 +356,43 @@ class VllmView:
     @property
     def num_evictions(self) -> int:
         return self.allocator.num_evictions
+
+    # ---- what lets the checker verify only what changed ----------------------------------
+
+    def _block_states(self) -> list:
+        return [(b.ref_cnt, b.block_hash, id(b.prev_free_block), id(b.next_free_block)) for b in self.pool.blocks]
+
+    def take_changes(self) -> set[int]:
+        """Ids of blocks whose count, hash or queue links changed since the last call.
+
+        vLLM reports no changes, so this compares every block with the previous call's
+        snapshot: one cheap tuple per block, where a full sweep re-judges every table."""
+        states = self._block_states()
+        changed = {i for i, (old, new) in enumerate(zip(self._states, states)) if old != new}
+        self._states = states
+        return changed
+
+    def raw_table(self, group: int, request_id: str):
+        """The live table (vLLM's block objects, compared by identity); never mutated."""
+        blocks = self.managers[group].req_to_blocks.get(request_id)
+        return blocks if blocks else None
+
+    def _map_has(self, vllm_key, block_id: int) -> bool:
+        entry = None if vllm_key is None else self.pool.cached_block_hash_to_block._cache.get(vllm_key)
+        if entry is None:
+            return False
+        return block_id in entry if isinstance(entry, dict) else entry.block_id == block_id
+
+    def block_state(self, block_id: int, old_key):
+        """(ref_cnt, key, in free queue, queue links consistent, in the map under key, still in
+        the map under ``old_key`` though the key changed), as ``AllocatorView.block_state``."""
+        block = self.pool.blocks[block_id]
+        prev, nxt, vllm_key = block.prev_free_block, block.next_free_block, block.block_hash
+        key = self._key(vllm_key)
+        in_queue = prev is not None or nxt is not None
+        links_ok = not in_queue or (
+            prev is not None and nxt is not None and prev.next_free_block is block and nxt.prev_free_block is block
+        )
+        in_map = key is not None and self._map_has(vllm_key, block_id)
+        stale = old_key is not None and old_key != key and self._map_has(self._vllm_keys.get(old_key), block_id)
+        return block.ref_cnt, key, in_queue, links_ok, in_map, stale

@@ -1,0 +1,107 @@
+"""Small builders and assertions shared by the deterministic tests.
+
+They drive the allocator exactly as an engine does (hit search, allocate_slots, advance
+``num_computed_tokens``) so each test reads as a short list of engine calls.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from kvprop.hashing import fingerprint
+from kvprop.paged_memory import PagedMemory
+from kvprop.request import Request
+from kvprop.specs import AllocatorConfig, EngineConfig
+from kvprop.variants import make_allocator, make_engine
+
+NULL = 0  # the null block's id; "-" in reference-scenarios.md
+BUGGY = "interleaved-external-alloc"
+VOCAB = 1000
+
+
+def allocator(groups, num_blocks, variant=None, enable_caching=True):
+    return make_allocator(AllocatorConfig(tuple(groups), num_blocks, enable_caching=enable_caching), variant=variant)
+
+
+def engine(groups, num_blocks, variant=None, hooks=None, **engine_kwargs):
+    config = EngineConfig(AllocatorConfig(tuple(groups), num_blocks), **engine_kwargs)
+    return make_engine(config, variant=variant, device="cpu", hooks=hooks)
+
+
+def req(request_id, tokens, block_size, max_new_tokens=4):
+    return Request(request_id, list(tokens), max_new_tokens, block_size, VOCAB)
+
+
+def queue(mgr) -> list[int]:
+    """The free queue, head (next evicted) first."""
+    return [b.block_id for b in mgr.pool.free_queue.forward()]
+
+
+def refs(mgr, block_ids) -> list[int]:
+    return [mgr.pool.blocks[b].ref_cnt for b in block_ids]
+
+
+def hit_ids(hits) -> tuple[list[int], ...]:
+    return tuple([b.block_id for b in group] for group in hits)
+
+
+def prefill(mgr, request, num_external=0, num_new=None, **kwargs):
+    """Admit ``request`` the way the scheduler does: local hit, optional external tokens,
+    then the rest of the prompt (or ``num_new`` tokens). Returns (hits, num_hit, result)."""
+    hits, num_hit = mgr.get_computed_blocks(request)
+    if num_new is None:
+        num_new = request.num_tokens - num_hit - num_external
+    result = mgr.allocate_slots(
+        request, num_new, num_new_computed_tokens=num_hit, new_computed_blocks=hits,
+        num_external_computed_tokens=num_external, **kwargs,
+    )
+    if result is not None:
+        request.num_computed_tokens = num_hit + num_external + num_new
+    return hits, num_hit, result
+
+
+def duplicate_blocks(mgr, request_id) -> list[int]:
+    """Non-null block ids appearing more than once across all groups of one request."""
+    counts = Counter(b for table in mgr.get_block_ids(request_id) for b in table if b != NULL)
+    return sorted(b for b, n in counts.items() if n > 1)
+
+
+def assert_request_sound(mgr, request_id) -> None:
+    """The regression assertions: no block id twice across the request's groups, and every
+    non-null block it holds has ref_cnt >= 1 and is out of the free queue."""
+    dup = duplicate_blocks(mgr, request_id)
+    assert not dup, f"{request_id}: blocks {dup} appear twice across groups {mgr.get_block_ids(request_id)}"
+    in_queue = set(queue(mgr))
+    for g, table in enumerate(mgr.get_block_ids(request_id)):
+        for b in table:
+            if b == NULL:
+                continue
+            assert mgr.pool.blocks[b].ref_cnt >= 1, f"group {g} holds block {b} with ref_cnt 0"
+            assert b not in in_queue, f"group {g} holds block {b}, which is still in the free queue"
+
+
+def readback_mismatches(mgr, requests) -> list[tuple]:
+    """Write every computed position's fingerprint through the block tables into paged
+    memory (request by request, group by group), then read it all back.
+
+    Returns (request id, group, position, block id) for each position that reads back
+    something else: a block shared by two groups makes the later group's write clobber
+    the earlier one's.
+    """
+    bs = mgr.block_size
+    memory = PagedMemory(mgr.config.num_blocks, bs, "cpu")
+    slots, values, origin = [], [], []
+    for request in requests:
+        for g, table in enumerate(mgr.get_block_ids(request.request_id)):
+            for p in range(min(request.num_computed_tokens, len(table) * bs)):
+                block_id = table[p // bs]
+                if block_id == NULL:
+                    continue
+                slots.append(block_id * bs + p % bs)
+                values.append(fingerprint(g, p, request.prefix[p]))
+                origin.append((request.request_id, g, p, block_id))
+    for slot, value in zip(slots, values):
+        # One write per slot, in order, so a later group's write to a shared block wins
+        # deterministically (one scatter with repeated slots has no defined winner).
+        memory.write([slot], [value])
+    return [origin[i] for i in memory.mismatches(slots, values)]
