@@ -43,5 +43,21 @@ bench-quick: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check kvprop tests bench
 
+# vLLM's own allocator as a target: a separate CPU-only environment per release
+# (scripts/vllm-env.sh: torch 2.13.0+cpu, vLLM and its import closure with --no-deps).
+VLLM_VERSION ?= 0.24.0
+VLLM_VERSIONS ?= 0.23.0 0.24.0
+
+vllm-env:
+	bash scripts/vllm-env.sh $(VLLM_VERSION)
+
+test-vllm:
+	@set -e; for v in $(VLLM_VERSIONS); do \
+		bash scripts/vllm-env.sh $$v; \
+		echo "== vLLM $$v"; \
+		VLLM_LOGGING_LEVEL=ERROR PYTHONWARNINGS=ignore KVPROP_PROFILE=$(PROFILE) \
+			.venv-vllm-$$v/bin/python -m pytest -m vllm tests/test_vllm_target.py; \
+	done
+
 clean:
-	rm -rf $(VENV) .hypothesis *.egg-info
+	rm -rf $(VENV) .venv-vllm-* .hypothesis *.egg-info

@@ -93,7 +93,10 @@ def test_short_clean_fuzz_of_the_correct_allocator_exits_0(tmp_path):
 @pytest.mark.parametrize("content, message", [
     ("not json", "not JSON"),
     ('{"format": "other"}', "format: expected 'kvprop-trace/1'"),
-    ('{"format": "kvprop-trace/1", "steps": [], "config": {"groups": []}}', "groups must be a tuple of 1 to"),
+    ('{"format": "kvprop-trace/1", "steps": [], "config": {"groups": []}}', "config: missing field 'num_blocks'"),
+    ('{"format": "kvprop-trace/1", "steps": [], "config": {"groups": [], "num_blocks": 8, "enable_caching": true, '
+     '"token_budget": 8, "lookahead": 0, "connector": "off", "vocab": 4}}', "groups must be a tuple of 1 to"),
+    ('{"format": "kvprop-trace/1", "steps": [{"op": "Step", "times": -1}], "config": {}}', "steps[0].times: expected"),
     ('{"format": "kvprop-trace/1", "steps": [{"op": "Teleport"}], "config": {}}', "unknown operation 'Teleport'"),
 ])
 def test_malformed_trace_exits_2_with_a_clear_message(tmp_path, content, message):
