@@ -90,7 +90,7 @@ def _hypothesis_worker(index: int, opts: FuzzOptions, out, stop) -> None:
 
     profiles.load("fuzz")
     machine = machine_for(opts.variant, opts.target, opts.device)
-    chunk = settings(settings.default, max_examples=25)
+    chunk = settings(settings.default, max_examples=200)  # Hypothesis starts each run simple: keep runs long
     if opts.redis:
         from kvprop.shared_store import hypothesis_database
 
