@@ -1,6 +1,6 @@
 """Run kvprop's benchmarks and print the tables (same as `kvprop bench`).
 
-    python bench/run.py [--quick] [--json] [throughput] [scaling] [time_to_find]
+python bench/run.py [--quick] [--json] [throughput] [scaling] [time_to_find]
 """
 
 import sys

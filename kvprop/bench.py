@@ -24,15 +24,19 @@ from kvprop.variants import VARIANTS, make_engine
 from kvprop.walk import plan
 
 
+def _recorder(into: list):
+    return lambda i, op, outcome: into.append(i)
+
+
 def _walk_rate(seconds: float, checks: bool, num_blocks: int = 64) -> tuple[float, int]:
     """Steps/s of the walker over sampled configurations with the pool fixed at ``num_blocks``."""
     steps, seed, start = 0, 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         trace = plan(seed)
         config = attrs.evolve(trace.config, allocator=attrs.evolve(trace.config.allocator, num_blocks=num_blocks))
-        count = [0]
-        execute(attrs.evolve(trace, config=config), checks=checks, on_step=lambda *a: count.__setitem__(0, count[0] + 1))
-        steps += count[0]
+        executed: list = []
+        execute(attrs.evolve(trace, config=config), checks=checks, on_step=_recorder(executed))
+        steps += len(executed)
         seed += 1
     elapsed = time.perf_counter() - start
     return steps / elapsed, steps
@@ -85,8 +89,9 @@ def throughput(quick: bool) -> list[dict]:
 
 def _scaling_cell(num_blocks: int, live: int, checks: bool, steps: int) -> float:
     """Seconds per engine step with ``live`` requests (refilled as they finish) over a ``num_blocks`` pool."""
-    config = EngineConfig(AllocatorConfig((FullAttention(4), SlidingWindow(4, 16)), num_blocks), token_budget=4096,
-                          connector="sync")
+    config = EngineConfig(
+        AllocatorConfig((FullAttention(4), SlidingWindow(4, 16)), num_blocks), token_budget=4096, connector="sync"
+    )
     checker = Checker(enabled=checks)
     engine = make_engine(config, hooks=checker)
     tokens = max(4, min(64, ((num_blocks - 1) // 2 // live) * 4))
@@ -116,8 +121,15 @@ def scaling(quick: bool) -> list[dict]:
         for live in (1, 8, 64):
             on = _scaling_cell(num_blocks, live, True, steps)
             off = _scaling_cell(num_blocks, live, False, steps)
-            rows.append({"blocks": num_blocks, "live_requests": live, "steps_per_s": round(1 / on),
-                         "unchecked_steps_per_s": round(1 / off), "check_us_per_step": round((on - off) * 1e6, 1)})
+            rows.append(
+                {
+                    "blocks": num_blocks,
+                    "live_requests": live,
+                    "steps_per_s": round(1 / on),
+                    "unchecked_steps_per_s": round(1 / off),
+                    "check_us_per_step": round((on - off) * 1e6, 1),
+                }
+            )
     return rows
 
 
@@ -129,8 +141,9 @@ def time_to_find(quick: bool) -> list[dict]:
         for engine in fuzz.ENGINES:
             secs, steps, shrunk, misses = [], [], [], 0
             for seed in seeds:
-                result = fuzz.search(fuzz.FuzzOptions(seconds=cap[engine], workers=1, seed=seed * 1000, engine=engine,
-                                                      variant=variant))
+                result = fuzz.search(
+                    fuzz.FuzzOptions(seconds=cap[engine], workers=1, seed=seed * 1000, engine=engine, variant=variant)
+                )
                 if result.found is None:
                     misses += 1
                     continue
@@ -138,15 +151,20 @@ def time_to_find(quick: bool) -> list[dict]:
                 secs.append(result.seconds_to_find)
                 steps.append(result.steps)
                 shrunk.append(trace_length(best))
-            rows.append({
-                "variant": variant, "engine": engine, "seeds": len(seeds), "found": len(secs),
-                "median_s": round(statistics.median(secs), 2) if secs else None,
-                "max_s": round(max(secs), 2) if secs else None,
-                "median_steps": int(statistics.median(steps)) if steps else None,
-                "max_steps": max(steps) if steps else None,
-                "median_shrunk": statistics.median(shrunk) if shrunk else None,
-                "cap_s": cap[engine],
-            })
+            rows.append(
+                {
+                    "variant": variant,
+                    "engine": engine,
+                    "seeds": len(seeds),
+                    "found": len(secs),
+                    "median_s": round(statistics.median(secs), 2) if secs else None,
+                    "max_s": round(max(secs), 2) if secs else None,
+                    "median_steps": int(statistics.median(steps)) if steps else None,
+                    "max_steps": max(steps) if steps else None,
+                    "median_shrunk": statistics.median(shrunk) if shrunk else None,
+                    "cap_s": cap[engine],
+                }
+            )
     return rows
 
 
@@ -155,8 +173,12 @@ def _table(title: str, rows: list[dict]) -> str:
         return f"{title}: (no rows)"
     cols = list(rows[0])
     width = {c: max(len(c), *(len(_fmt(r[c])) for r in rows)) for c in cols}
-    lines = [f"## {title}", "", "| " + " | ".join(c.ljust(width[c]) for c in cols) + " |",
-             "|" + "|".join("-" * (width[c] + 2) for c in cols) + "|"]
+    lines = [
+        f"## {title}",
+        "",
+        "| " + " | ".join(c.ljust(width[c]) for c in cols) + " |",
+        "|" + "|".join("-" * (width[c] + 2) for c in cols) + "|",
+    ]
     lines += ["| " + " | ".join(_fmt(r[c]).rjust(width[c]) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
 

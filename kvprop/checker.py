@@ -85,17 +85,30 @@ class Checker(Hooks):
         for g, (old, new) in enumerate(zip(before, after)):
             if old is None and new is None:
                 continue
-            if old is None or new is None or len(old) != len(new) or any(
-                    a != b and b != view.null_block_id for a, b in zip(old, new)):
-                raise Violation("refusal-changed-table", f"a refused allocation changed {request_id!r}'s group {g} "
-                                f"table from {old} to {new}", requests=[request_id], groups=[g])
+            if (
+                old is None
+                or new is None
+                or len(old) != len(new)
+                or any(a != b and b != view.null_block_id for a, b in zip(old, new))
+            ):
+                raise Violation(
+                    "refusal-changed-table",
+                    f"a refused allocation changed {request_id!r}'s group {g} table from {old} to {new}",
+                    requests=[request_id],
+                    groups=[g],
+                )
             freed.update(a for a, b in zip(old, new) if a != b)
         changed = view.take_changes()
         self.pending_changes |= changed  # the structural check after this still judges them
         stray = sorted(changed - freed)
         if stray:
-            raise Violation("refusal-changed-state", f"a refused allocation for {request_id!r} changed blocks {stray}, "
-                            f"which its window skipping did not free", blocks=stray, requests=[request_id])
+            raise Violation(
+                "refusal-changed-state",
+                f"a refused allocation for {request_id!r} changed blocks {stray}, "
+                f"which its window skipping did not free",
+                blocks=stray,
+                requests=[request_id],
+            )
 
     # ---- checks -------------------------------------------------------------------------
 
@@ -178,8 +191,11 @@ def drain(engine, checker: Checker, max_steps: int | None = None) -> int:
         if not engine.requests:
             break
         if steps >= max_steps:
-            raise Violation("liveness", f"{len(engine.requests)} requests still live after {steps} drain steps",
-                            requests=sorted(engine.requests))
+            raise Violation(
+                "liveness",
+                f"{len(engine.requests)} requests still live after {steps} drain steps",
+                requests=sorted(engine.requests),
+            )
         engine.step()
         steps += 1
         checker.check_all(engine)

@@ -24,7 +24,11 @@ def _print_steps(trace, variant, target, device) -> object:
     print(f"config: {trace.config!r}")
     failure = execute(trace, variant=variant, target=target, device=device, on_step=show)
     if failure is not None:
-        where = "the final drain" if failure.step >= len(trace.steps) else f"step {failure.step}: {trace.steps[failure.step]!r}"
+        where = (
+            "the final drain"
+            if failure.step >= len(trace.steps)
+            else f"step {failure.step}: {trace.steps[failure.step]!r}"
+        )
         print(f"  FAILED at {where}\n  {failure.message}")
     return failure
 
@@ -40,23 +44,40 @@ def cmd_fuzz(args) -> int:
         raise ConfigError(f"--seconds must be > 0 and --workers >= 1, got {args.seconds} and {args.workers}")
     if args.canary and not _canary(args):
         return EXIT_FOUND + 2
-    opts = fuzz.FuzzOptions(seconds=args.seconds, workers=args.workers, seed=args.seed, engine=args.engine,
-                            variant=args.variant, target=args.target, device=args.device, out=Path(args.out),
-                            max_ops=args.max_ops, max_runs=args.max_runs, redis=args.redis)
+    opts = fuzz.FuzzOptions(
+        seconds=args.seconds,
+        workers=args.workers,
+        seed=args.seed,
+        engine=args.engine,
+        variant=args.variant,
+        target=args.target,
+        device=args.device,
+        out=Path(args.out),
+        max_ops=args.max_ops,
+        max_runs=args.max_runs,
+        redis=args.redis,
+    )
     label = f"variant {args.variant}" if args.variant else f"target {args.target or 'kvprop'}"
-    print(f"kvprop {__version__} fuzz: engine {args.engine}, {label}, {args.workers} workers, "
-          f"{args.seconds:g}s budget, seed {args.seed}", flush=True)
+    print(
+        f"kvprop {__version__} fuzz: engine {args.engine}, {label}, {args.workers} workers, "
+        f"{args.seconds:g}s budget, seed {args.seed}",
+        flush=True,
+    )
     result = fuzz.search(opts, status=lambda line: print(line, flush=True))
     if result.found is None:
-        print(f"clean: {result.runs:,} runs, {result.steps:,} steps in {result.seconds:.1f}s, "
-              f"events reached: {len(result.events)}")
+        print(
+            f"clean: {result.runs:,} runs, {result.steps:,} steps in {result.seconds:.1f}s, "
+            f"events reached: {len(result.events)}"
+        )
         return 0
     best = result.minimised or result.found
     if result.shared:
         print(f"\nFOUND {best.failure.kind} by another machine (shared store); {len(best.steps)} operations:")
     else:
-        print(f"\nFOUND {best.failure.kind} after {result.seconds_to_find:.1f}s ({args.engine} seed "
-              f"{result.found.seed}); {len(result.found.steps)} operations minimised to {len(best.steps)}:")
+        print(
+            f"\nFOUND {best.failure.kind} after {result.seconds_to_find:.1f}s ({args.engine} seed "
+            f"{result.found.seed}); {len(result.found.steps)} operations minimised to {len(best.steps)}:"
+        )
     _print_steps(best, args.variant, args.target, args.device)
     trace_path, test_path = fuzz.write_counterexample(best, Path(args.out))
     print(f"\nwrote {trace_path}\nwrote {test_path}\nreplay: kvprop replay {trace_path}")
@@ -67,12 +88,21 @@ def _canary(args) -> bool:
     from kvprop import fuzz
 
     print("canary: searching for the known bug 'interleaved-external-alloc' first ...", flush=True)
-    opts = fuzz.FuzzOptions(seconds=args.canary_seconds, workers=args.workers, seed=args.seed, engine="walk",
-                            variant="interleaved-external-alloc", device=args.device, minimise=False)
+    opts = fuzz.FuzzOptions(
+        seconds=args.canary_seconds,
+        workers=args.workers,
+        seed=args.seed,
+        engine="walk",
+        variant="interleaved-external-alloc",
+        device=args.device,
+        minimise=False,
+    )
     result = fuzz.search(opts)
     if result.found is None:
-        print(f"canary FAILED: the known bug was not found in {args.canary_seconds:g}s; refusing to fuzz "
-              f"(the harness would not find a real one either)")
+        print(
+            f"canary FAILED: the known bug was not found in {args.canary_seconds:g}s; refusing to fuzz "
+            f"(the harness would not find a real one either)"
+        )
         return False
     print(f"canary ok: found {result.found.failure.kind} in {result.seconds_to_find:.2f}s", flush=True)
     return True
@@ -84,8 +114,10 @@ def cmd_replay(args) -> int:
     trace = tr.load(args.file)
     variant = args.variant if args.variant is not None else trace.variant
     target = args.target if args.target is not None else trace.target
-    print(f"replaying {args.file} ({len(trace.steps)} operations) on variant {variant or 'correct'}, "
-          f"target {target or 'kvprop'}")
+    print(
+        f"replaying {args.file} ({len(trace.steps)} operations) on variant {variant or 'correct'}, "
+        f"target {target or 'kvprop'}"
+    )
     failure = _print_steps(trace, variant, target, args.device)
     if failure is None:
         print("PASSED: the trace no longer fails")
@@ -137,21 +169,34 @@ def cmd_bugs(args) -> int:
 
     rows = []
     for name in VARIANTS:
-        opts = fuzz.FuzzOptions(seconds=args.seconds_per_bug, workers=args.workers, seed=args.seed,
-                                engine=args.engine, variant=name, device=args.device)
+        opts = fuzz.FuzzOptions(
+            seconds=args.seconds_per_bug,
+            workers=args.workers,
+            seed=args.seed,
+            engine=args.engine,
+            variant=name,
+            device=args.device,
+        )
         result = fuzz.search(opts)
         best = result.minimised or result.found
-        rows.append({
-            "variant": name, "engine": args.engine, "found": result.found is not None,
-            "seconds": round(result.seconds_to_find, 3) if result.found else None,
-            "steps": result.steps if result.found else None,
-            "shrunk_steps": trace_length(best) if best else None,
-        })
+        rows.append(
+            {
+                "variant": name,
+                "engine": args.engine,
+                "found": result.found is not None,
+                "seconds": round(result.seconds_to_find, 3) if result.found else None,
+                "steps": result.steps if result.found else None,
+                "shrunk_steps": trace_length(best) if best else None,
+            }
+        )
         if not args.json:
             r = rows[-1]
-            print(f"{name:30s} {'found' if r['found'] else 'NOT FOUND':9s} "
-                  f"{(str(r['seconds']) + 's') if r['found'] else '-':>9s} {str(r['steps'] or '-'):>9s} steps "
-                  f"{str(r['shrunk_steps'] or '-'):>4s} minimised", flush=True)
+            print(
+                f"{name:30s} {'found' if r['found'] else 'NOT FOUND':9s} "
+                f"{(str(r['seconds']) + 's') if r['found'] else '-':>9s} {str(r['steps'] or '-'):>9s} steps "
+                f"{str(r['shrunk_steps'] or '-'):>4s} minimised",
+                flush=True,
+            )
     if args.json:
         print(json.dumps(rows, indent=1))
     return 0 if all(r["found"] for r in rows) else EXIT_FOUND
@@ -174,8 +219,9 @@ def cmd_bench(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from kvprop.fuzz import default_workers
 
-    p = argparse.ArgumentParser(prog="kvprop", description="Stateful property-based testing of paged, "
-                                "prefix-caching KV-cache allocators.")
+    p = argparse.ArgumentParser(
+        prog="kvprop", description="Stateful property-based testing of paged, prefix-caching KV-cache allocators."
+    )
     p.add_argument("--version", action="version", version=f"kvprop {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -191,11 +237,19 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--engine", default="walk", help="walk (fast seeded walker) | hypothesis (state machine)")
     f.add_argument("--out", default="counterexamples")
     f.add_argument("--max-ops", type=int, default=200, help="operations per walk run")
-    f.add_argument("--max-runs", type=int, default=None,
-                   help="stop each worker after this many runs/examples (a deterministic budget, for CI)")
+    f.add_argument(
+        "--max-runs",
+        type=int,
+        default=None,
+        help="stop each worker after this many runs/examples (a deterministic budget, for CI)",
+    )
     f.add_argument("--canary", action="store_true", help="first prove the harness finds a known bug")
-    f.add_argument("--redis", default=None, metavar="URL",
-                   help="share failures with other machines through Redis (needs the redis extra)")
+    f.add_argument(
+        "--redis",
+        default=None,
+        metavar="URL",
+        help="share failures with other machines through Redis (needs the redis extra)",
+    )
     f.add_argument("--canary-seconds", type=float, default=30.0)
     target_args(f)
     f.set_defaults(func=cmd_fuzz)

@@ -85,7 +85,9 @@ class Connector:
                         "connector-handoff",
                         f"block {block_id} handed to the connector for {request.request_id!r} group {g} is not "
                         f"exclusively owned (ref_cnt={ref_cnt}, cached as {key})",
-                        blocks=[block_id], requests=[request.request_id], groups=[g],
+                        blocks=[block_id],
+                        requests=[request.request_id],
+                        groups=[g],
                     )
                 owned.append((g, block_id))
                 row = self.tier[request.block_hashes[index]][g]

@@ -62,7 +62,8 @@ class Engine:
         self.memory = PagedMemory(config.allocator.num_blocks, self.block_size, device)
         self.hooks = hooks or Hooks()
         self.connector = (
-            None if config.connector == "off"
+            None
+            if config.connector == "off"
             else Connector(config.connector, self.memory, self.block_size, len(self.specs))
         )
         self.registry: dict[int, tuple] = {}
@@ -156,7 +157,9 @@ class Engine:
         """A stop condition hit early (e.g. a stop string): the running request ends now."""
         request = self.get(request_id)
         if request.status is not Status.RUNNING:
-            raise RequestError(f"finish: request {request_id!r} is {request.status.value}, only running ones can finish")
+            raise RequestError(
+                f"finish: request {request_id!r} is {request.status.value}, only running ones can finish"
+            )
         self.running.remove(request)
         self._free(request)
         self._retire(request, Status.FINISHED)
@@ -164,7 +167,9 @@ class Engine:
     def preempt(self, request_id: str) -> None:
         request = self.get(request_id)
         if request.status is not Status.RUNNING:
-            raise RequestError(f"preempt: request {request_id!r} is {request.status.value}, only running ones can be preempted")
+            raise RequestError(
+                f"preempt: request {request_id!r} is {request.status.value}, only running ones can be preempted"
+            )
         self.running.remove(request)
         self._preempt(request)
 
@@ -219,7 +224,9 @@ class Engine:
                     kind,
                     f"block {block_id} is written for {request.request_id!r} group {group} but "
                     f"{'is not in its table' if block_id not in table else f'has ref_cnt {ref_cnt}'}",
-                    blocks=[block_id], requests=[request.request_id], groups=[group],
+                    blocks=[block_id],
+                    requests=[request.request_id],
+                    groups=[group],
                 )
 
     def _check_write_target(self, request: Request, group: int, index: int, block_id: int) -> None:
@@ -236,7 +243,9 @@ class Engine:
                 "write-to-shared-block",
                 f"{request.request_id!r} group {group} computes into block {block_id} (index {index}) with "
                 f"ref_cnt {ref_cnt} and cache key {key}, expected its own key {own_key}",
-                blocks=[block_id], requests=[request.request_id], groups=[group],
+                blocks=[block_id],
+                requests=[request.request_id],
+                groups=[group],
             )
 
     # ---- scheduling -------------------------------------------------------------------
@@ -245,7 +254,8 @@ class Engine:
         token = self.hooks.before_allocation(self, request)
         result = self.allocator.allocate_slots(request, num_new_tokens, **kwargs)
         computed = (
-            request.num_computed_tokens + kwargs.get("num_new_computed_tokens", 0)
+            request.num_computed_tokens
+            + kwargs.get("num_new_computed_tokens", 0)
             + kwargs.get("num_external_computed_tokens", 0)
         )
         if result is not None and any(spec.skipped_tokens(computed) >= self.block_size for spec in self.specs):
@@ -289,8 +299,12 @@ class Engine:
             n = 0 if load_async else min(request.num_tokens - num_hit - ext, budget)
             self._note_admission_events(request, hits, num_hit, ext, n)
             result = self._allocate(
-                request, n, num_new_computed_tokens=num_hit, new_computed_blocks=hits,
-                num_lookahead_tokens=self.config.lookahead, num_external_computed_tokens=ext,
+                request,
+                n,
+                num_new_computed_tokens=num_hit,
+                new_computed_blocks=hits,
+                num_lookahead_tokens=self.config.lookahead,
+                num_external_computed_tokens=ext,
                 delay_cache_blocks=ext > 0,
             )
             if result is None:
@@ -337,7 +351,8 @@ class Engine:
                     raise Violation(
                         "table-too-short",
                         f"{rid!r} group {g} computes positions [{start}, {start + n}) with only {len(table)} blocks",
-                        requests=[rid], groups=[g],
+                        requests=[rid],
+                        groups=[g],
                     )
                 for index in range(start // bs, cdiv(start + n, bs)):
                     block_id = table[index]
@@ -345,7 +360,9 @@ class Engine:
                         raise Violation(
                             "write-to-null-block",
                             f"{rid!r} group {g} computes into block index {index}, which is the null block",
-                            blocks=[null], requests=[rid], groups=[g],
+                            blocks=[null],
+                            requests=[rid],
+                            groups=[g],
                         )
                     self._check_write_target(request, g, index, block_id)
                     if (index + 1) * bs <= start + n and self.connector is not None:

@@ -112,8 +112,14 @@ def _hypothesis_worker(index: int, opts: FuzzOptions, out, stop) -> None:
 
 
 def _progress(out, machine, before) -> None:
-    out.put(("progress", machine.counters["examples"] - before["examples"],
-             machine.counters["steps"] - before["steps"], set(machine.events_seen)))
+    out.put(
+        (
+            "progress",
+            machine.counters["examples"] - before["examples"],
+            machine.counters["steps"] - before["steps"],
+            set(machine.events_seen),
+        )
+    )
 
 
 def _worker(index, opts, out, stop):
@@ -217,14 +223,17 @@ def search(opts: FuzzOptions, status=None) -> FuzzResult:
         minimised = minimise(found, variant=opts.variant, target=opts.target, device=opts.device)
         if store is not None:
             store.push(minimised)
-    return FuzzResult(found, minimised or (found if shared else None), runs, steps, elapsed, frozenset(events),
-                      found_at, shared)
+    return FuzzResult(
+        found, minimised or (found if shared else None), runs, steps, elapsed, frozenset(events), found_at, shared
+    )
 
 
 def _status_line(elapsed, runs, steps, events, found) -> str:
     rate = steps / elapsed if elapsed > 0 else 0.0
-    return (f"[{elapsed:7.1f}s] runs {runs:,} | steps {steps:,} | {rate:,.0f} steps/s | "
-            f"failures {int(found is not None)} | events {len(events & set(EVENTS))}/{len(EVENTS)}")
+    return (
+        f"[{elapsed:7.1f}s] runs {runs:,} | steps {steps:,} | {rate:,.0f} steps/s | "
+        f"failures {int(found is not None)} | events {len(events & set(EVENTS))}/{len(EVENTS)}"
+    )
 
 
 def write_counterexample(trace: Trace, out: Path) -> tuple[Path, Path]:

@@ -66,8 +66,11 @@ class Mirror:
         if requests is None:
             stale = [k for k in self.tables if k not in seen]
         else:
-            stale = [k for k in ((r, g) for r in requests for g in range(view.num_groups))
-                     if k in self.tables and k not in seen]
+            stale = [
+                k
+                for k in ((r, g) for r in requests for g in range(view.num_groups))
+                if k in self.tables and k not in seen
+            ]
         for key in stale:
             self._count(key, self.tables.pop(key), -1, changed)
             changed_tables.add(key)
@@ -113,11 +116,15 @@ class Mirror:
             if ref_cnt < 0 or (ref_cnt == 0) != in_queue:
                 inv.block_queue_membership(block_id, ref_cnt, in_queue)
             if not links_ok:
-                raise Violation("free-queue-links", f"block {block_id}'s free-queue neighbours do not link back to it",
-                                blocks=[block_id])
+                raise Violation(
+                    "free-queue-links",
+                    f"block {block_id}'s free-queue neighbours do not link back to it",
+                    blocks=[block_id],
+                )
         if check and len(free) != view.num_free_blocks:
-            raise Violation("free-count", f"{len(free)} blocks are linked into the free queue but it reports "
-                            f"{view.num_free_blocks}")
+            raise Violation(
+                "free-count", f"{len(free)} blocks are linked into the free queue but it reports {view.num_free_blocks}"
+            )
         if check:
             inv.check_conservation_counts(view, view.num_blocks - 1 - len(free))
 

@@ -28,8 +28,12 @@ def gather_tables(view) -> dict[tuple[str, int], list[int]]:
 def block_ref_cnt(block_id: int, ref_cnt: int, holders: int, who=()) -> None:
     """1. ref_cnt(b) equals the number of (request, group) table entries holding b."""
     if ref_cnt != holders:
-        raise Violation("ref-cnt-mismatch", f"block {block_id} has ref_cnt {ref_cnt} but {holders} table entries hold it",
-                        blocks=[block_id], requests=sorted(who))
+        raise Violation(
+            "ref-cnt-mismatch",
+            f"block {block_id} has ref_cnt {ref_cnt} but {holders} table entries hold it",
+            blocks=[block_id],
+            requests=sorted(who),
+        )
 
 
 def block_queue_membership(block_id: int, ref_cnt: int, in_queue: bool) -> None:
@@ -38,22 +42,34 @@ def block_queue_membership(block_id: int, ref_cnt: int, in_queue: bool) -> None:
         raise Violation("negative-ref-cnt", f"block {block_id} has ref_cnt {ref_cnt}", blocks=[block_id])
     if (ref_cnt == 0) != in_queue:
         where = "in" if in_queue else "not in"
-        raise Violation("free-queue-membership", f"block {block_id} has ref_cnt {ref_cnt} and is {where} the free queue",
-                        blocks=[block_id])
+        raise Violation(
+            "free-queue-membership",
+            f"block {block_id} has ref_cnt {ref_cnt} and is {where} the free queue",
+            blocks=[block_id],
+        )
 
 
 def block_single_group(block_id: int, groups, who=()) -> None:
     """3. A live block belongs to exactly one group."""
     if len(groups) > 1:
-        raise Violation("block-in-two-groups", f"block {block_id} is live in groups {sorted(groups)}",
-                        blocks=[block_id], requests=sorted(who), groups=sorted(groups))
+        raise Violation(
+            "block-in-two-groups",
+            f"block {block_id} is live in groups {sorted(groups)}",
+            blocks=[block_id],
+            requests=sorted(who),
+            groups=sorted(groups),
+        )
 
 
 def block_shared_only_if_cached(block_id: int, holders: int, key, who=()) -> None:
     """3. Only cached blocks are shared: a share can only come from a cache hit."""
     if holders > 1 and key is None:
-        raise Violation("shared-uncached-block", f"block {block_id} is held by {holders} tables but not cached",
-                        blocks=[block_id], requests=sorted(who))
+        raise Violation(
+            "shared-uncached-block",
+            f"block {block_id} is held by {holders} tables but not cached",
+            blocks=[block_id],
+            requests=sorted(who),
+        )
 
 
 def table_without_repeats(rid: str, group: int, table, null_block_id: int) -> None:
@@ -63,8 +79,13 @@ def table_without_repeats(rid: str, group: int, table, null_block_id: int) -> No
         if block_id == null_block_id:
             continue
         if block_id in seen:
-            raise Violation("duplicate-in-table", f"{rid!r} group {group} holds block {block_id} twice",
-                            blocks=[block_id], requests=[rid], groups=[group])
+            raise Violation(
+                "duplicate-in-table",
+                f"{rid!r} group {group} holds block {block_id} twice",
+                blocks=[block_id],
+                requests=[rid],
+                groups=[group],
+            )
         seen.add(block_id)
 
 
@@ -75,8 +96,9 @@ def block_cache_entry(block_id: int, key, in_map: bool, num_groups: int, is_null
     if is_null:
         raise Violation("null-block-cached", f"the null block is cached as {key}", blocks=[block_id])
     if not in_map:
-        raise Violation("cache-map-missing", f"block {block_id} says it is cached as {key} but the map lacks it",
-                        blocks=[block_id])
+        raise Violation(
+            "cache-map-missing", f"block {block_id} says it is cached as {key} but the map lacks it", blocks=[block_id]
+        )
     if not 0 <= key[1] < num_groups:
         raise Violation("cache-key-group", f"block {block_id} is cached for group {key[1]}", blocks=[block_id])
 
@@ -84,8 +106,11 @@ def block_cache_entry(block_id: int, key, in_map: bool, num_groups: int, is_null
 def map_entry(block_id: int, map_key, block_key) -> None:
     """4. The map holds a block only under the key the block carries."""
     if map_key != block_key:
-        raise Violation("cache-map-stale", f"cache map holds block {block_id} under {map_key} but the block says "
-                        f"{block_key}", blocks=[block_id])
+        raise Violation(
+            "cache-map-stale",
+            f"cache map holds block {block_id} under {map_key} but the block says {block_key}",
+            blocks=[block_id],
+        )
 
 
 # ---- the full sweep ------------------------------------------------------------------------
@@ -142,7 +167,9 @@ def check_conservation(view, ref_cnts) -> None:
 
 def check_conservation_counts(view, in_use: int) -> None:
     if in_use + view.num_free_blocks + 1 != view.num_blocks:
-        raise Violation("conservation", f"{in_use} in use + {view.num_free_blocks} free + 1 null != {view.num_blocks} blocks")
+        raise Violation(
+            "conservation", f"{in_use} in use + {view.num_free_blocks} free + 1 null != {view.num_blocks} blocks"
+        )
 
 
 # ---- 6. tables against requests -----------------------------------------------------------
@@ -155,8 +182,9 @@ def computed_tokens(request, pending: dict) -> int:
     return request.num_computed_tokens + request.pending_external
 
 
-def check_tables(engine, view, tables, keys, pending: dict, admitted_now: frozenset = frozenset(),
-                 only: set | None = None) -> None:
+def check_tables(
+    engine, view, tables, keys, pending: dict, admitted_now: frozenset = frozenset(), only: set | None = None
+) -> None:
     """6. Each admitted request has a table per group whose length fits its tokens, nulls only
     where its window skipped, real blocks where it attends, and whose cached prefix still
     carries the request's own hashes; nobody else has a table or a cached count.
@@ -170,10 +198,14 @@ def check_tables(engine, view, tables, keys, pending: dict, admitted_now: frozen
         return rid in admitted_now or (rid in requests and engine.is_admitted(requests[rid]))
 
     table_keys = tables if only is None else [(rid, g) for rid in only for g in range(view.num_groups)]
-    for (rid, g) in table_keys:
+    for rid, g in table_keys:
         if tables.get((rid, g)) is not None and not admitted(rid):
-            raise Violation("table-without-admission", f"{rid!r} has a table in group {g} but is not admitted",
-                            requests=[rid], groups=[g])
+            raise Violation(
+                "table-without-admission",
+                f"{rid!r} has a table in group {g} but is not admitted",
+                requests=[rid],
+                groups=[g],
+            )
     for rid in requests if only is None else only:
         if not admitted(rid):
             continue
@@ -183,33 +215,54 @@ def check_tables(engine, view, tables, keys, pending: dict, admitted_now: frozen
             table = tables.get((rid, g))
             num_cached = view.num_cached_blocks(g, rid)
             if table is None or num_cached is None:
-                raise Violation("admitted-without-table", f"admitted {rid!r} lacks its table or cached count in group {g}",
-                                requests=[rid], groups=[g])
+                raise Violation(
+                    "admitted-without-table",
+                    f"admitted {rid!r} lacks its table or cached count in group {g}",
+                    requests=[rid],
+                    groups=[g],
+                )
             lo, hi = cdiv(computed, bs), cdiv(request.num_tokens + lookahead, bs)
             if not lo <= len(table) <= hi:
-                raise Violation("table-length", f"{rid!r} group {g} has {len(table)} blocks for {computed} computed of "
-                                f"{request.num_tokens} tokens (allowed {lo}..{hi})", requests=[rid], groups=[g])
+                raise Violation(
+                    "table-length",
+                    f"{rid!r} group {g} has {len(table)} blocks for {computed} computed of "
+                    f"{request.num_tokens} tokens (allowed {lo}..{hi})",
+                    requests=[rid],
+                    groups=[g],
+                )
             skipped_blocks = spec.skipped_tokens(computed) // bs
             attended_from = spec.skipped_tokens(computed) // bs
             for i, block_id in enumerate(table):
                 if block_id == null and i >= skipped_blocks:
-                    raise Violation("null-in-attended-range",
-                                    f"{rid!r} group {g} has the null block at index {i}, but with {computed} computed tokens "
-                                    f"only the first {skipped_blocks} blocks may be skipped (attended from block {attended_from})",
-                                    requests=[rid], groups=[g])
+                    raise Violation(
+                        "null-in-attended-range",
+                        f"{rid!r} group {g} has the null block at index {i}, but with {computed} computed tokens "
+                        f"only the first {skipped_blocks} blocks may be skipped (attended from block {attended_from})",
+                        requests=[rid],
+                        groups=[g],
+                    )
             if num_cached > len(table) or num_cached > len(request.block_hashes):
-                raise Violation("cached-count", f"{rid!r} group {g} counts {num_cached} cached blocks with {len(table)} "
-                                f"blocks and {len(request.block_hashes)} full blocks", requests=[rid], groups=[g])
+                raise Violation(
+                    "cached-count",
+                    f"{rid!r} group {g} counts {num_cached} cached blocks with {len(table)} "
+                    f"blocks and {len(request.block_hashes)} full blocks",
+                    requests=[rid],
+                    groups=[g],
+                )
             for i in range(num_cached):
                 block_id = table[i]
                 if block_id == null:
                     continue
                 own = engine.own_cache_key(request, i, g)
                 if keys[block_id] != own:
-                    raise Violation("cached-block-lost-hash",
-                                    f"{rid!r} group {g} counts block {block_id} (index {i}) as cached with its own hash "
-                                    f"{own}, but the block is cached as {keys[block_id]}",
-                                    blocks=[block_id], requests=[rid], groups=[g])
+                    raise Violation(
+                        "cached-block-lost-hash",
+                        f"{rid!r} group {g} counts block {block_id} (index {i}) as cached with its own hash "
+                        f"{own}, but the block is cached as {keys[block_id]}",
+                        blocks=[block_id],
+                        requests=[rid],
+                        groups=[g],
+                    )
 
 
 # ---- 7. data ------------------------------------------------------------------------------
@@ -233,7 +286,9 @@ def check_data(engine, view, tables, keys) -> None:
                 slots.append(block_id * bs + p % bs)
                 expected.append(fingerprint(g, p, prefix[p]))
                 origin.append((rid, g, p, block_id))
-    _expect_cached_and_null(engine, view, [(b, k) for b, k in enumerate(keys) if k is not None], slots, expected, origin)
+    _expect_cached_and_null(
+        engine, view, [(b, k) for b, k in enumerate(keys) if k is not None], slots, expected, origin
+    )
     report_mismatch(memory, slots, expected, origin)
 
 
@@ -272,10 +327,14 @@ def report_mismatch(memory, slots, expected, origin) -> None:
     if bad:
         who, g, p, block_id = origin[bad[0]]
         got = memory.read([slots[bad[0]]])[0]
-        raise Violation("data-mismatch", f"{who} group {g} position {p} in block {block_id} reads {got}, expected "
-                        f"{expected[bad[0]]} ({len(bad)} positions wrong)",
-                        blocks=sorted({origin[i][3] for i in bad}), requests=[who] if isinstance(who, str) else [],
-                        groups=[g] if g >= 0 else [])
+        raise Violation(
+            "data-mismatch",
+            f"{who} group {g} position {p} in block {block_id} reads {got}, expected "
+            f"{expected[bad[0]]} ({len(bad)} positions wrong)",
+            blocks=sorted({origin[i][3] for i in bad}),
+            requests=[who] if isinstance(who, str) else [],
+            groups=[g] if g >= 0 else [],
+        )
 
 
 # ---- 8. refusals --------------------------------------------------------------------------
@@ -299,26 +358,47 @@ def check_refusal(view, request_id: str, before) -> None:
         if old is None and new is None:
             continue
         if old is None or new is None or len(old) != len(new):
-            raise Violation("refusal-changed-table", f"a refused allocation changed {request_id!r}'s group {g} table "
-                            f"from {old} to {new}", requests=[request_id], groups=[g])
+            raise Violation(
+                "refusal-changed-table",
+                f"a refused allocation changed {request_id!r}'s group {g} table from {old} to {new}",
+                requests=[request_id],
+                groups=[g],
+            )
         for a, b in zip(old, new):
             if a != b:
                 if b != view.null_block_id:
-                    raise Violation("refusal-changed-table", f"a refused allocation replaced block {a} by {b} in "
-                                    f"{request_id!r} group {g}", blocks=[a, b], requests=[request_id], groups=[g])
+                    raise Violation(
+                        "refusal-changed-table",
+                        f"a refused allocation replaced block {a} by {b} in {request_id!r} group {g}",
+                        blocks=[a, b],
+                        requests=[request_id],
+                        groups=[g],
+                    )
                 freed[a] += 1
     for block_id, (old, new) in enumerate(zip(ref_before, ref_after)):
         if block_id != view.null_block_id and new != old - freed.get(block_id, 0):
-            raise Violation("refusal-changed-ref-cnt", f"a refused allocation for {request_id!r} moved block {block_id}'s "
-                            f"ref_cnt from {old} to {new}", blocks=[block_id], requests=[request_id])
+            raise Violation(
+                "refusal-changed-ref-cnt",
+                f"a refused allocation for {request_id!r} moved block {block_id}'s ref_cnt from {old} to {new}",
+                blocks=[block_id],
+                requests=[request_id],
+            )
     if keys_before != keys_after:
         changed = [b for b, (x, y) in enumerate(zip(keys_before, keys_after)) if x != y]
-        raise Violation("refusal-changed-cache", f"a refused allocation for {request_id!r} changed cache keys",
-                        blocks=changed, requests=[request_id])
+        raise Violation(
+            "refusal-changed-cache",
+            f"a refused allocation for {request_id!r} changed cache keys",
+            blocks=changed,
+            requests=[request_id],
+        )
     newly_free = set(queue_after) - set(queue_before)
     if [b for b in queue_after if b not in newly_free] != queue_before:
-        raise Violation("refusal-changed-queue", f"a refused allocation for {request_id!r} reordered or took from the "
-                        f"free queue: {queue_before} -> {queue_after}", requests=[request_id])
+        raise Violation(
+            "refusal-changed-queue",
+            f"a refused allocation for {request_id!r} reordered or took from the "
+            f"free queue: {queue_before} -> {queue_after}",
+            requests=[request_id],
+        )
 
 
 # ---- 9. liveness --------------------------------------------------------------------------
@@ -327,8 +407,11 @@ def check_refusal(view, request_id: str, before) -> None:
 def check_drained(engine, view) -> None:
     """After a drain every request is gone and every block is back in the free queue."""
     if engine.requests:
-        raise Violation("liveness", f"requests still live after the drain: {sorted(engine.requests)}",
-                        requests=sorted(engine.requests))
+        raise Violation(
+            "liveness",
+            f"requests still live after the drain: {sorted(engine.requests)}",
+            requests=sorted(engine.requests),
+        )
     if view.num_free_blocks != view.num_blocks - 1:
         held = [b for b, r in enumerate(view.ref_cnts()) if r > 0 and b != view.null_block_id]
         raise Violation("liveness", f"{len(held)} blocks still held after every request ended", blocks=held)

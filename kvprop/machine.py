@@ -55,8 +55,9 @@ class KVCacheMachine(RuleBasedStateMachine):
     @initialize(config=configs())
     def configure(self, config):
         type(self).counters["examples"] += 1
-        self.harness = ops.Harness(config, variant=self.variant, target=self.target, device=self.device,
-                                   checks=self.checks)
+        self.harness = ops.Harness(
+            config, variant=self.variant, target=self.target, device=self.device, checks=self.checks
+        )
 
     def record_failure(self, error: BaseException, at_drain: bool) -> None:
         """Keep what failed as a plain trace: (config, operations, error, failed in the drain)."""
@@ -129,17 +130,27 @@ class KVCacheMachine(RuleBasedStateMachine):
             raise
 
 
-def machine_for(variant: str | None = None, target: str | None = None, device: str | None = None,
-                checks: bool = True) -> type:
+def machine_for(
+    variant: str | None = None, target: str | None = None, device: str | None = None, checks: bool = True
+) -> type:
     """A machine class bound to one allocator, with its own event and failure records."""
     from kvprop.variants import get_variant
 
     get_variant(variant)
     name = f"KVCacheMachine_{(variant or target or 'correct').replace('-', '_').replace(':', '_').replace('.', '_')}"
-    return type(name, (KVCacheMachine,), {
-        "variant": variant, "target": target, "device": device, "checks": checks, "events_seen": set(), "failures": [],
-        "counters": {"examples": 0, "steps": 0},
-    })
+    return type(
+        name,
+        (KVCacheMachine,),
+        {
+            "variant": variant,
+            "target": target,
+            "device": device,
+            "checks": checks,
+            "events_seen": set(),
+            "failures": [],
+            "counters": {"examples": 0, "steps": 0},
+        },
+    )
 
 
 def failure_trace(machine: type):
@@ -147,8 +158,14 @@ def failure_trace(machine: type):
     from kvprop.trace import Failure, Trace, failure_kind
 
     config, steps, error, at_drain = machine.failures[-1]
-    return Trace(config=config, steps=steps, variant=machine.variant, target=machine.target, engine="hypothesis",
-                 failure=Failure(len(steps) - (not at_drain), failure_kind(error), str(error)))
+    return Trace(
+        config=config,
+        steps=steps,
+        variant=machine.variant,
+        target=machine.target,
+        engine="hypothesis",
+        failure=Failure(len(steps) - (not at_drain), failure_kind(error), str(error)),
+    )
 
 
 def trace_length(trace) -> int:

@@ -56,8 +56,13 @@ class Minimiser:
     @staticmethod
     def _weight(trace: Trace) -> int:
         a = trace.config.allocator
-        return (sum(v for op in trace.steps for v in attrs.astuple(op)) + a.num_blocks + 10 * len(a.groups)
-                + trace.config.token_budget + trace.config.lookahead)
+        return (
+            sum(v for op in trace.steps for v in attrs.astuple(op))
+            + a.num_blocks
+            + 10 * len(a.groups)
+            + trace.config.token_budget
+            + trace.config.lookahead
+        )
 
     def remove_steps(self) -> None:
         """ddmin: remove chunks, halving the chunk size down to single operations."""

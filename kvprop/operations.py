@@ -121,8 +121,10 @@ class Step:
             if i:
                 h.checker.check_all(h.engine)
             report = h.engine.step()
-            out.append(f"scheduled {report.scheduled} admitted {report.admitted} "
-                       f"preempted {report.preempted} finished {report.finished}")
+            out.append(
+                f"scheduled {report.scheduled} admitted {report.admitted} "
+                f"preempted {report.preempted} finished {report.finished}"
+            )
         return "; ".join(out)
 
 
@@ -242,8 +244,14 @@ OPERATION_BY_NAME = {op.__name__: op for op in OPERATIONS}
 class Harness:
     """An engine, its checker and the prompts seen so far; ``apply`` checks every invariant."""
 
-    def __init__(self, config: EngineConfig, variant: str | None = None, device: str | None = None,
-                 checks: bool = True, target=None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        variant: str | None = None,
+        device: str | None = None,
+        checks: bool = True,
+        target=None,
+    ):
         from kvprop.targets import make_engine
 
         self.config = config

@@ -28,18 +28,35 @@ def register() -> None:
     # Every profile starts from Hypothesis's own defaults, never from whichever profile is loaded.
     base = settings.get_profile("default")
     common = dict(deadline=None, suppress_health_check=QUIET_CHECKS, stateful_step_count=40, derandomize=False)
-    settings.register_profile("dev", base, max_examples=60, database=DirectoryBasedExampleDatabase(DATABASE_DIR),
-                              **common)
-    no_shrink = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target]
-    settings.register_profile("ci", base, max_examples=150, database=None, print_blob=False, phases=no_shrink,
-                              **{**common, "derandomize": True, "stateful_step_count": 100})
     settings.register_profile(
-        "fuzz", base, max_examples=1_000_000, database=DirectoryBasedExampleDatabase(DATABASE_DIR), phases=no_shrink,
+        "dev", base, max_examples=60, database=DirectoryBasedExampleDatabase(DATABASE_DIR), **common
+    )
+    no_shrink = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target]
+    settings.register_profile(
+        "ci",
+        base,
+        max_examples=150,
+        database=None,
+        print_blob=False,
+        phases=no_shrink,
+        **{**common, "derandomize": True, "stateful_step_count": 100},
+    )
+    settings.register_profile(
+        "fuzz",
+        base,
+        max_examples=1_000_000,
+        database=DirectoryBasedExampleDatabase(DATABASE_DIR),
+        phases=no_shrink,
         **{**common, "stateful_step_count": 100},
     )
     settings.register_profile(
-        "repro", base, max_examples=1, database=DirectoryBasedExampleDatabase(DATABASE_DIR),
-        phases=[Phase.explicit, Phase.reuse, Phase.shrink], verbosity=Verbosity.verbose, **common,
+        "repro",
+        base,
+        max_examples=1,
+        database=DirectoryBasedExampleDatabase(DATABASE_DIR),
+        phases=[Phase.explicit, Phase.reuse, Phase.shrink],
+        verbosity=Verbosity.verbose,
+        **common,
     )
 
 
@@ -48,6 +65,8 @@ def load(name: str | None = None) -> str:
     register()
     name = name or os.environ.get(ENV) or "dev"
     if name not in PROFILES:
-        raise ConfigError(f"unknown Hypothesis profile {name!r} (from {ENV} or the caller); known: {', '.join(PROFILES)}")
+        raise ConfigError(
+            f"unknown Hypothesis profile {name!r} (from {ENV} or the caller); known: {', '.join(PROFILES)}"
+        )
     settings.load_profile(name)
     return name

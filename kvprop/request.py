@@ -25,9 +25,21 @@ class Request:
     """
 
     __slots__ = (
-        "request_id", "tokens", "num_prompt_tokens", "max_new_tokens", "block_size", "vocab",
-        "block_hashes", "prefix", "num_computed_tokens", "status", "arrival", "num_preemptions",
-        "load_failed", "pending_external", "registry",
+        "request_id",
+        "tokens",
+        "num_prompt_tokens",
+        "max_new_tokens",
+        "block_size",
+        "vocab",
+        "block_hashes",
+        "prefix",
+        "num_computed_tokens",
+        "status",
+        "arrival",
+        "num_preemptions",
+        "load_failed",
+        "pending_external",
+        "registry",
     )
 
     def __init__(self, request_id, prompt, max_new_tokens, block_size, vocab, arrival=0, registry=None):
@@ -49,7 +61,8 @@ class Request:
         self.extend_tokens(prompt)
 
     def __repr__(self):
-        return f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, {self.status.value})"
+        return (f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"{self.status.value})")
 
     @property
     def num_tokens(self) -> int:

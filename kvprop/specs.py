@@ -80,7 +80,9 @@ SPEC_TYPES = (FullAttention, SlidingWindow, ChunkedLocal)
 
 def _check_groups(instance, attribute, groups):
     if not isinstance(groups, tuple) or not 1 <= len(groups) <= MAX_GROUPS:
-        raise ConfigError(f"AllocatorConfig.groups must be a tuple of 1 to {MAX_GROUPS} attention specs, got {groups!r}")
+        raise ConfigError(
+            f"AllocatorConfig.groups must be a tuple of 1 to {MAX_GROUPS} attention specs, got {groups!r}"
+        )
     for i, spec in enumerate(groups):
         if not isinstance(spec, SPEC_TYPES):
             raise ConfigError(

@@ -54,8 +54,15 @@ class Trace:
         return attrs.evolve(self, steps=tuple(steps))
 
 
-def execute(trace: Trace, variant: str | None = None, target: str | None = None, device: str | None = None,
-            on_step=None, checks: bool = True, events: set | None = None) -> Failure | None:
+def execute(
+    trace: Trace,
+    variant: str | None = None,
+    target: str | None = None,
+    device: str | None = None,
+    on_step=None,
+    checks: bool = True,
+    events: set | None = None,
+) -> Failure | None:
     """Replay ``trace`` step by step without Hypothesis; the first exception is the failure.
 
     ``events``, when given, collects the names of the engine events the replay reached."""
@@ -107,7 +114,9 @@ def _require(d, key, where, types):
     if not isinstance(d, dict) or key not in d:
         raise TraceError(f"{where}: missing field {key!r}")
     value = d[key]
-    if not isinstance(value, types) or (isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,))):
+    if not isinstance(value, types) or (
+        isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,))
+    ):
         raise TraceError(f"{where}.{key}: expected {getattr(types, '__name__', types)}, got {value!r}")
     return value
 
@@ -127,8 +136,9 @@ def config_from_dict(d) -> EngineConfig:
             raise TraceError(f"config.groups[{i}]: {e}") from e
     try:
         return EngineConfig(
-            AllocatorConfig(tuple(groups), _require(d, "num_blocks", "config", int),
-                            _require(d, "enable_caching", "config", bool)),
+            AllocatorConfig(
+                tuple(groups), _require(d, "num_blocks", "config", int), _require(d, "enable_caching", "config", bool)
+            ),
             token_budget=_require(d, "token_budget", "config", int),
             lookahead=_require(d, "lookahead", "config", int),
             connector=_require(d, "connector", "config", str),

@@ -43,14 +43,27 @@ class InterleavedHybrid(InterleavedExternalAlloc, HybridCoordinator):
 class TouchBeforeCapacityCheck(KVCacheManager):
     """Touches the hits first; a refused allocation then leaves them touched."""
 
-    def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
-                       num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=False):
+    def allocate_slots(
+        self,
+        request,
+        num_new_tokens,
+        num_new_computed_tokens=0,
+        new_computed_blocks=None,
+        num_lookahead_tokens=0,
+        num_external_computed_tokens=0,
+        delay_cache_blocks=False,
+    ):
         if new_computed_blocks is not None and not self.coordinator.is_admitted(request.request_id):
             for hits in new_computed_blocks:
                 self.pool.touch(hits)
             result = super().allocate_slots(
-                request, num_new_tokens, num_new_computed_tokens, self.empty_hits(), num_lookahead_tokens,
-                num_external_computed_tokens, delay_cache_blocks,
+                request,
+                num_new_tokens,
+                num_new_computed_tokens,
+                self.empty_hits(),
+                num_lookahead_tokens,
+                num_external_computed_tokens,
+                delay_cache_blocks,
             )
             if result is not None:
                 for g, manager in enumerate(self.coordinator.managers):
@@ -60,8 +73,13 @@ class TouchBeforeCapacityCheck(KVCacheManager):
                     del table[len(new_computed_blocks[g]) + len(result[g]) :]
             return result
         return super().allocate_slots(
-            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
-            num_external_computed_tokens, delay_cache_blocks,
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            delay_cache_blocks,
         )
 
 
@@ -89,7 +107,10 @@ class HitsRecachedMixin(SingleTypeManager):
 
 
 def _hits_recached_managers():
-    return {spec: type(f"HitsRecached{cls.__name__}", (HitsRecachedMixin, cls), {}) for spec, cls in MANAGER_FOR_SPEC.items()}
+    return {
+        spec: type(f"HitsRecached{cls.__name__}", (HitsRecachedMixin, cls), {})
+        for spec, cls in MANAGER_FOR_SPEC.items()
+    }
 
 
 class FreeDuringAsyncLoad(Engine):
@@ -116,18 +137,36 @@ class Variant:
 VARIANTS = {
     v.name: v
     for v in (
-        Variant("interleaved-external-alloc", "per-group touch + external allocation in one loop",
-                parts=Parts(unitary=InterleavedUnitary, hybrid=InterleavedHybrid)),
-        Variant("touch-before-capacity-check", "hit blocks are touched before the capacity check, which then fails",
-                allocator=TouchBeforeCapacityCheck),
-        Variant("evict-keeps-hash", "popping a cached block leaves it in the cache map",
-                parts=Parts(pool=EvictKeepsHashPool)),
-        Variant("swa-skip-off-by-one", "the sliding window skips one block too many",
-                parts=Parts(managers={**MANAGER_FOR_SPEC, SlidingWindow: SwaSkipOffByOne})),
-        Variant("hits-recached", "a newly admitted request's cached-count starts at 0, so its hits are cached again",
-                parts=Parts(managers=_hits_recached_managers())),
-        Variant("free-during-async-load", "aborting a request frees blocks an external load is still writing",
-                engine=FreeDuringAsyncLoad),
+        Variant(
+            "interleaved-external-alloc",
+            "per-group touch + external allocation in one loop",
+            parts=Parts(unitary=InterleavedUnitary, hybrid=InterleavedHybrid),
+        ),
+        Variant(
+            "touch-before-capacity-check",
+            "hit blocks are touched before the capacity check, which then fails",
+            allocator=TouchBeforeCapacityCheck,
+        ),
+        Variant(
+            "evict-keeps-hash",
+            "popping a cached block leaves it in the cache map",
+            parts=Parts(pool=EvictKeepsHashPool),
+        ),
+        Variant(
+            "swa-skip-off-by-one",
+            "the sliding window skips one block too many",
+            parts=Parts(managers={**MANAGER_FOR_SPEC, SlidingWindow: SwaSkipOffByOne}),
+        ),
+        Variant(
+            "hits-recached",
+            "a newly admitted request's cached-count starts at 0, so its hits are cached again",
+            parts=Parts(managers=_hits_recached_managers()),
+        ),
+        Variant(
+            "free-during-async-load",
+            "aborting a request frees blocks an external load is still writing",
+            engine=FreeDuringAsyncLoad,
+        ),
     )
 }
 CORRECT = Variant("correct", "none: the allocator as specified")

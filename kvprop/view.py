@@ -102,7 +102,9 @@ class AllocatorView:
         block = self.pool.blocks[block_id]
         if block.prev is None and block.next is None:
             return True
-        return block.prev is not None and block.next is not None and block.prev.next is block and block.next.prev is block
+        return (
+            block.prev is not None and block.next is not None and block.prev.next is block and block.next.prev is block
+        )
 
     def map_has(self, key, block_id: int) -> bool:
         entry = self.pool.cached.get(key)

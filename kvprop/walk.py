@@ -48,6 +48,7 @@ def run_walk(seed: int, variant=None, target=None, device=None, max_ops: int = 2
     def on_step(i, op, outcome):
         count[0] += 1
 
-    failure = execute(trace, variant=variant, target=target, device=device, on_step=on_step, checks=checks,
-                      events=events)
+    failure = execute(
+        trace, variant=variant, target=target, device=device, on_step=on_step, checks=checks, events=events
+    )
     return WalkResult(trace, failure, count[0] + (failure is not None), frozenset(events))

@@ -13,21 +13,48 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def kvprop(*args, cwd=None, env=None):
-    return subprocess.run([sys.executable, "-m", "kvprop", *args], cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "kvprop", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        timeout=900,
+    )
 
 
 def pytest_file(path, variant):
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)],
-                          cwd=path.parent, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "KVPROP_VARIANT": variant})
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)],
+        cwd=path.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "KVPROP_VARIANT": variant},
+    )
 
 
 def found(tmp_path, engine):
     tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "cx"
-    r = kvprop("fuzz", "--engine", engine, "--variant", BUG, "--workers", "1", "--seed", "0", "--max-runs", "3000",
-               "--seconds", "600", "--out", str(out), cwd=tmp_path)
+    r = kvprop(
+        "fuzz",
+        "--engine",
+        engine,
+        "--variant",
+        BUG,
+        "--workers",
+        "1",
+        "--seed",
+        "0",
+        "--max-runs",
+        "3000",
+        "--seconds",
+        "600",
+        "--out",
+        str(out),
+        cwd=tmp_path,
+    )
     assert r.returncode == 1, r.stdout + r.stderr
     traces = sorted(out.glob("*.json"))
     tests = sorted(out.glob("test_*.py"))
@@ -90,15 +117,24 @@ def test_short_clean_fuzz_of_the_correct_allocator_exits_0(tmp_path):
     assert not (tmp_path / "cx").exists()
 
 
-@pytest.mark.parametrize("content, message", [
-    ("not json", "not JSON"),
-    ('{"format": "other"}', "format: expected 'kvprop-trace/1'"),
-    ('{"format": "kvprop-trace/1", "steps": [], "config": {"groups": []}}', "config: missing field 'num_blocks'"),
-    ('{"format": "kvprop-trace/1", "steps": [], "config": {"groups": [], "num_blocks": 8, "enable_caching": true, '
-     '"token_budget": 8, "lookahead": 0, "connector": "off", "vocab": 4}}', "groups must be a tuple of 1 to"),
-    ('{"format": "kvprop-trace/1", "steps": [{"op": "Step", "times": -1}], "config": {}}', "steps[0].times: expected"),
-    ('{"format": "kvprop-trace/1", "steps": [{"op": "Teleport"}], "config": {}}', "unknown operation 'Teleport'"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("not json", "not JSON"),
+        ('{"format": "other"}', "format: expected 'kvprop-trace/1'"),
+        ('{"format": "kvprop-trace/1", "steps": [], "config": {"groups": []}}', "config: missing field 'num_blocks'"),
+        (
+            '{"format": "kvprop-trace/1", "steps": [], "config": {"groups": [], "num_blocks": 8, '
+            '"enable_caching": true, "token_budget": 8, "lookahead": 0, "connector": "off", "vocab": 4}}',
+            "groups must be a tuple of 1 to",
+        ),
+        (
+            '{"format": "kvprop-trace/1", "steps": [{"op": "Step", "times": -1}], "config": {}}',
+            "steps[0].times: expected",
+        ),
+        ('{"format": "kvprop-trace/1", "steps": [{"op": "Teleport"}], "config": {}}', "unknown operation 'Teleport'"),
+    ],
+)
 def test_malformed_trace_exits_2_with_a_clear_message(tmp_path, content, message):
     path = tmp_path / "bad.json"
     path.write_text(content)

@@ -8,7 +8,10 @@ from kvprop.paged_memory import UNWRITTEN, PagedMemory, pick_device
 from kvprop.trace import execute
 from kvprop.walk import plan
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
+]
 
 
 def test_default_device_is_cuda_when_present_else_cpu():

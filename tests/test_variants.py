@@ -33,6 +33,8 @@ def test_machine_finds_variant_from_scratch(variant, record_property):
     record_property("examples", machine.counters["examples"])
     record_property("seconds_to_find", round(found_after, 2))
     record_property("shrunk_steps", length)
-    print(f"{variant}: found after {machine.counters['examples']} examples ({found_after:.1f}s), "
-          f"minimised to {length} steps")
+    print(
+        f"{variant}: found after {machine.counters['examples']} examples ({found_after:.1f}s), "
+        f"minimised to {length} steps"
+    )
     assert length <= MAX_SHRUNK.get(variant, 12)

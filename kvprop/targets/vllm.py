@@ -57,7 +57,9 @@ def _import_vllm() -> SimpleNamespace:
             from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
             from vllm.v1.request import Request
         except ImportError as e:
-            raise ConfigError(f"target 'vllm' needs vLLM importable, but importing it failed ({e}); {INSTALL_HINT}") from e
+            raise ConfigError(
+                f"target 'vllm' needs vLLM importable, but importing it failed ({e}); {INSTALL_HINT}"
+            ) from e
     # vLLM's block hasher chains from NONE_HASH, which must be set once per process
     # before the first Request is built (else NameError); keep one set by someone else.
     if not hasattr(kv_cache_utils, "NONE_HASH"):
@@ -161,7 +163,9 @@ class VllmAllocator:
         missing = [n for n, d in params.items()
                    if d is inspect.Parameter.empty and n not in wanted and n != "kv_cache_config"]
         if missing:
-            raise ConfigError(f"target 'vllm': vLLM {v.version}'s KVCacheManager needs {missing}, which kvprop cannot supply")
+            raise ConfigError(
+                f"target 'vllm': vLLM {v.version}'s KVCacheManager needs {missing}, which kvprop cannot supply"
+            )
         try:
             wanted["kv_cache_config"] = v.kvi.KVCacheConfig(
                 num_blocks=config.num_blocks,
@@ -229,7 +233,9 @@ class VllmAllocator:
         if isinstance(hits, Hits):
             kwargs["new_computed_blocks"] = hits.vllm_blocks
         elif hits is not None and not isinstance(hits, self.v.KVCacheBlocks):
-            raise TypeError(f"allocate_slots: new_computed_blocks must be what get_computed_blocks returned, got {hits!r}")
+            raise TypeError(
+                f"allocate_slots: new_computed_blocks must be what get_computed_blocks returned, got {hits!r}"
+            )
         kwargs = _call_kwargs("KVCacheManager.allocate_slots()", self._allocate_params, kwargs)
         before = {b.block_id: b.block_hash for b in self.pool.blocks if b.ref_cnt == 0 and b.block_hash is not None}
         result = self.manager.allocate_slots(vreq, num_new_tokens, **kwargs)
@@ -317,11 +323,13 @@ class VllmView:
 
     def free_queue_ids(self) -> list[int]:
         q = self.queue
-        return self._walk(q.fake_free_list_head.next_free_block, "next_free_block", q.fake_free_list_tail, self.num_blocks + 1)
+        return self._walk(q.fake_free_list_head.next_free_block, "next_free_block", q.fake_free_list_tail,
+                          self.num_blocks + 1)
 
     def free_queue_ids_backward(self) -> list[int]:
         q = self.queue
-        return self._walk(q.fake_free_list_tail.prev_free_block, "prev_free_block", q.fake_free_list_head, self.num_blocks + 1)
+        return self._walk(q.fake_free_list_tail.prev_free_block, "prev_free_block", q.fake_free_list_head,
+                          self.num_blocks + 1)
 
     def free_queue_prefix(self, n: int) -> list[int]:
         q = self.queue
@@ -360,15 +368,18 @@ class VllmView:
     # ---- what lets the checker verify only what changed ----------------------------------
 
     def _block_states(self) -> list:
-        return [(b.ref_cnt, b.block_hash, id(b.prev_free_block), id(b.next_free_block)) for b in self.pool.blocks]
+        return [(b.ref_cnt, b.block_hash, b.prev_free_block is not None or b.next_free_block is not None)
+                for b in self.pool.blocks]
 
     def take_changes(self) -> set[int]:
-        """Ids of blocks whose count, hash or queue links changed since the last call.
+        """Ids of blocks whose count, hash or free-queue membership changed since the last call.
 
         vLLM reports no changes, so this compares every block with the previous call's
-        snapshot: one cheap tuple per block, where a full sweep re-judges every table."""
+        snapshot (one small tuple per block). As with kvprop's own pool, a block whose
+        neighbours were relinked is not itself a change; the periodic full sweep walks the
+        whole queue."""
         states = self._block_states()
-        changed = {i for i, (old, new) in enumerate(zip(self._states, states)) if old != new}
+        changed = {i for i, (old, new) in enumerate(zip(self._states, states, strict=True)) if old != new}
         self._states = states
         return changed
 
