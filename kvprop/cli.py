@@ -38,6 +38,10 @@ def cmd_fuzz(args) -> int:
     from kvprop.variants import get_variant
 
     get_variant(args.variant)
+    if args.target not in (None, "kvprop"):
+        from kvprop.targets import load_factory
+
+        load_factory(args.target)  # a bad target is a clear error here, not a crash in every worker
     if args.engine not in fuzz.ENGINES:
         raise ConfigError(f"--engine must be one of {', '.join(fuzz.ENGINES)}, got {args.engine!r}")
     if args.seconds <= 0 or args.workers < 1:

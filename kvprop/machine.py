@@ -7,11 +7,12 @@ swarm: Hypothesis varies which rules run, the sampler varies the allocator's sha
 
 from __future__ import annotations
 
-from hypothesis import event
+from hypothesis import event, reject
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from kvprop import operations as ops
+from kvprop.errors import ConfigError
 
 
 class HypothesisChooser:
@@ -55,9 +56,14 @@ class KVCacheMachine(RuleBasedStateMachine):
     @initialize(config=configs())
     def configure(self, config):
         type(self).counters["examples"] += 1
-        self.harness = ops.Harness(
-            config, variant=self.variant, target=self.target, device=self.device, checks=self.checks
-        )
+        try:
+            self.harness = ops.Harness(
+                config, variant=self.variant, target=self.target, device=self.device, checks=self.checks
+            )
+        except ConfigError:
+            if self.target in (None, "kvprop"):
+                raise
+            reject()  # a shape this target cannot build: draw another
 
     def record_failure(self, error: BaseException, at_drain: bool) -> None:
         """Keep what failed as a plain trace: (config, operations, error, failed in the drain)."""

@@ -61,8 +61,10 @@ class Request:
         self.extend_tokens(prompt)
 
     def __repr__(self):
-        return (f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
-                f"{self.status.value})")
+        return (
+            f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"{self.status.value})"
+        )
 
     @property
     def num_tokens(self) -> int:

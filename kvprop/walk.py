@@ -12,6 +12,7 @@ import random
 
 import attrs
 
+from kvprop.errors import ConfigError
 from kvprop.operations import OPERATIONS, AddRequest, RandomChooser, Step, sample_config
 from kvprop.trace import Failure, Trace, execute
 
@@ -41,6 +42,8 @@ class WalkResult:
 
 
 def run_walk(seed: int, variant=None, target=None, device=None, max_ops: int = 200, checks: bool = True) -> WalkResult:
+    """One walk. A configuration the target cannot build (``ConfigError`` from its factory) is
+    skipped: zero steps, no failure."""
     trace = attrs.evolve(plan(seed, max_ops), variant=variant, target=target)
     events = set()
     count = [0]
@@ -48,7 +51,12 @@ def run_walk(seed: int, variant=None, target=None, device=None, max_ops: int = 2
     def on_step(i, op, outcome):
         count[0] += 1
 
-    failure = execute(
-        trace, variant=variant, target=target, device=device, on_step=on_step, checks=checks, events=events
-    )
+    try:
+        failure = execute(
+            trace, variant=variant, target=target, device=device, on_step=on_step, checks=checks, events=events
+        )
+    except ConfigError:
+        if target in (None, "kvprop"):
+            raise
+        return WalkResult(trace, None, 0, frozenset())
     return WalkResult(trace, failure, count[0] + (failure is not None), frozenset(events))

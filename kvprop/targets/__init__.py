@@ -10,6 +10,8 @@ the calls of ``kvprop.view.AllocatorView``. ``docs/targets.md`` documents both.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 from kvprop.engine import Engine
 from kvprop.errors import ConfigError
@@ -24,6 +26,8 @@ def load_factory(target: str):
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"target must be 'kvprop', 'vllm' or 'package.module:factory', got {target!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())  # `kvprop --target pkg.mod:f` finds modules where `python -m` would
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:

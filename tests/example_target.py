@@ -1,0 +1,25 @@
+"""A custom target: an allocator and its view, loaded by path like any external allocator.
+
+    kvprop fuzz --target tests.example_target:make_target      (from the repository root)
+
+A target is ``factory(config: AllocatorConfig) -> (allocator, view)``; docs/targets.md
+lists the calls each must answer. This one wraps kvprop's own allocator, so it behaves
+exactly like the default target; ``make_buggy_target`` wraps the pre-fix per-group
+allocation, so the harness has something to find through a path-loaded target too.
+"""
+
+from __future__ import annotations
+
+from kvprop.specs import AllocatorConfig
+from kvprop.variants import make_allocator
+from kvprop.view import AllocatorView
+
+
+def make_target(config: AllocatorConfig):
+    allocator = make_allocator(config)
+    return allocator, AllocatorView(allocator)
+
+
+def make_buggy_target(config: AllocatorConfig):
+    allocator = make_allocator(config, variant="interleaved-external-alloc")
+    return allocator, AllocatorView(allocator)

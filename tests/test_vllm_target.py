@@ -1,0 +1,269 @@
+"""vLLM's own allocator through kvprop (``--target vllm``); skipped where vLLM is absent.
+
+Run inside an environment built by ``make vllm-env VLLM_VERSION=...``::
+
+    .venv-vllm-0.23.0/bin/python -m pytest -m vllm
+    .venv-vllm-0.24.0/bin/python -m pytest -m vllm
+
+Expectations follow the installed release: up to 0.23.x vLLM allocates a request's hit
+and external blocks group by group, so one group's new blocks can evict another group's
+untouched hits (the motivating bug); 0.24.0 has the two-phase fix (vLLM PR #44409).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+vllm = pytest.importorskip("vllm")
+
+import attrs  # noqa: E402
+from hypothesis import Phase, settings  # noqa: E402
+from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
+from packaging.version import Version  # noqa: E402
+
+from kvprop import invariants as inv  # noqa: E402
+from kvprop import profiles  # noqa: E402
+from kvprop import trace as tr  # noqa: E402
+from kvprop.errors import Violation  # noqa: E402
+from kvprop.machine import failure_trace, machine_for  # noqa: E402
+from kvprop.minimise import minimise  # noqa: E402
+from kvprop.request import Request  # noqa: E402
+from kvprop.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow  # noqa: E402
+from kvprop.targets import make_engine  # noqa: E402
+from kvprop.targets.vllm import make_target  # noqa: E402
+from kvprop.walk import run_walk  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+RELEASE = Version(vllm.__version__).release[:2]
+FIXED = RELEASE >= (0, 24)
+HAS_BUG = not FIXED
+NULL = 0
+# What the per-group allocation bug shows first: the in-step check right after
+# allocate_slots sees one physical block live in two groups.
+BUG_KIND = "block-in-two-groups"
+needs_bug = pytest.mark.skipif(FIXED, reason=f"vLLM {vllm.__version__} has the two-phase fix")
+needs_fix = pytest.mark.skipif(HAS_BUG, reason=f"vLLM {vllm.__version__} predates the two-phase fix")
+
+
+def req(request_id, tokens, block_size, max_new_tokens=4):
+    return Request(request_id, list(tokens), max_new_tokens, block_size, 100_000)
+
+
+def prefill(allocator, request, num_external=0):
+    """Admit ``request`` the way the scheduler does: local hit, external tokens, the rest."""
+    hits, num_hit = allocator.get_computed_blocks(request)
+    result = allocator.allocate_slots(
+        request, request.num_tokens - num_hit - num_external, num_new_computed_tokens=num_hit,
+        new_computed_blocks=hits, num_external_computed_tokens=num_external,
+    )
+    assert result is not None
+    request.num_computed_tokens = request.num_tokens
+    return hits, num_hit
+
+
+def hit_ids(hits):
+    return tuple([b.block_id for b in group] for group in hits)
+
+
+# ---- reference scenarios (/work/shared/reference-scenarios.md) ------------------------------
+
+
+def test_motivating_scenario_block_ids_per_release():
+    """Full + sliding window (16 tokens), block size 4, 13 blocks: B hits A's 16 tokens in both
+    groups, with the hit blocks at the free-queue head, and takes 8 external tokens."""
+    allocator, view = make_target(AllocatorConfig((FullAttention(4), SlidingWindow(4, 16)), 13))
+    a, c = req("A", range(16), 4), req("C", range(1000, 1008), 4)
+    prefill(allocator, a)
+    prefill(allocator, c)
+    assert allocator.get_block_ids("A") == ([1, 2, 3, 4], [5, 6, 7, 8])
+    assert [view.cache_key(b) for b in (1, 5)] == [(a.block_hashes[0], 0), (a.block_hashes[0], 1)]
+    allocator.free(a)
+    allocator.free(c)
+    assert view.free_queue_ids() == [4, 3, 2, 1, 8, 7, 6, 5, 10, 9, 12, 11]
+
+    b = req("B", list(range(16)) + list(range(2000, 2012)), 4)
+    hits, num_hit = allocator.get_computed_blocks(b)
+    assert num_hit == 16 and hit_ids(hits) == ([1, 2, 3, 4], [5, 6, 7, 8])
+    assert allocator.allocate_slots(b, 4, num_new_computed_tokens=num_hit, new_computed_blocks=hits,
+                                    num_external_computed_tokens=8) is not None
+    tables = inv.gather_tables(view)
+    if FIXED:
+        assert allocator.get_block_ids("B") == ([1, 2, 3, 4, 6, 5, 12], [NULL, NULL, 7, 8, 10, 9, 11])
+        assert all(view.ref_cnt(i) == 1 for i in range(1, 13))
+        inv.check_blocks(view, tables, view.ref_cnts(), view.cache_keys())
+    else:
+        assert allocator.get_block_ids("B") == ([1, 2, 3, 4, 8, 7, 10], [NULL, NULL, 7, 8, 6, 5, 9])
+        assert view.ref_cnt(7) == view.ref_cnt(8) == 2
+        with pytest.raises(Violation, match=BUG_KIND) as info:
+            inv.check_blocks(view, tables, view.ref_cnts(), view.cache_keys())
+        assert set(info.value.blocks) <= {7, 8} and info.value.groups == (0, 1)
+
+
+def test_full_attention_free_order_per_release():
+    """11 blocks of 16: A = 3 full blocks + a partial one, B = the same 3 + another tail; free
+    A then B. 0.24 puts hashless blocks at the head; 0.23 puts everything at the tail."""
+    allocator, view = make_target(AllocatorConfig((FullAttention(16),), 11))
+    common = [i for i in range(3) for _ in range(16)]
+    a, b = req("A", common + [3] * 7, 16), req("B", common + [4] * 5, 16)
+    prefill(allocator, a)
+    hits, num_hit = prefill(allocator, b)
+    assert hit_ids(hits) == ([1, 2, 3],) and num_hit == 48
+    assert allocator.get_block_ids("B") == ([1, 2, 3, 5],)
+    assert [view.ref_cnt(i) for i in (1, 2, 3)] == [2, 2, 2]
+    allocator.free(a)
+    allocator.free(b)
+    assert view.free_queue_ids() == ([5, 4, 6, 7, 8, 9, 10, 3, 2, 1] if FIXED else [6, 7, 8, 9, 10, 4, 5, 3, 2, 1])
+    assert view.free_queue_ids_backward() == view.free_queue_ids()[::-1]
+
+    again = req("C", common + [5] * 3, 16)
+    hits, num_hit = prefill(allocator, again)
+    assert hit_ids(hits) == ([1, 2, 3],) and len(allocator.get_block_ids("C")[0]) == 4
+
+
+def test_decode_grows_the_vllm_request_and_names_its_new_hashes():
+    """Tokens appended to the kvprop request reach vLLM's request: the partial block fills
+    without allocating; crossing a boundary allocates one block and caches the full one
+    under kvprop's hash of it."""
+    allocator, view = make_target(AllocatorConfig((FullAttention(4),), 8))
+    r = req("D", range(6), 4)
+    prefill(allocator, r)
+    assert allocator.get_block_ids("D") == ([1, 2],) and view.cache_key(2) is None
+    for token in (6, 7):
+        r.append_token(token)
+        assert allocator.allocate_slots(r, 1) is not None
+        r.num_computed_tokens += 1
+    assert allocator.get_block_ids("D") == ([1, 2],)
+    assert view.cache_key(2) == (r.block_hashes[1], 0) and view.num_cached_blocks(0, "D") == 2
+    r.append_token(8)
+    assert allocator.allocate_slots(r, 1) is not None
+    assert allocator.get_block_ids("D") == ([1, 2, 3],)
+    assert sorted(block_id for _, block_id in view.cache_map_items()) == [1, 2]
+
+
+def test_engine_on_vllm_runs_to_completion_with_every_check():
+    """A small workload through kvprop's engine (scheduler, sync connector, checks) drains clean."""
+    from kvprop.checker import Checker, drain
+
+    checker = Checker()
+    config = EngineConfig(AllocatorConfig((FullAttention(4), SlidingWindow(4, 8)), 24), token_budget=8,
+                          connector="sync")
+    engine = make_engine(config, target="vllm", hooks=checker)
+    for prompt in (range(10), list(range(8)) + [9, 9, 9], range(5)):
+        engine.add_request(list(prompt), 3)
+    drain(engine, checker)
+    assert engine.view.num_free_blocks == 23 and not engine.view.request_ids(0)
+
+
+def test_incremental_checks_find_what_full_sweeps_find(monkeypatch):
+    """The view's snapshot-based change tracking loses nothing: every walk ends the same way
+    (same kind of violation at the same step; which block is named first may differ) with
+    incremental checks as with a full sweep at every check."""
+    from kvprop.targets.vllm import VllmView
+
+    def outcomes():
+        results = (run_walk(seed, target="vllm") for seed in range(40))
+        return [(r.steps_run, r.failure and (r.failure.kind, r.failure.step)) for r in results]
+
+    incremental = outcomes()
+    monkeypatch.delattr(VllmView, "take_changes")
+    assert outcomes() == incremental
+
+
+# ---- the state machine --------------------------------------------------------------------
+
+
+def ci_settings(**overrides) -> settings:
+    """The ``ci`` profile without making it every later test's default."""
+    profiles.register()
+    return settings(settings.get_profile("ci"), **overrides)
+
+
+@needs_bug
+@pytest.mark.slow
+def test_state_machine_finds_the_bug_from_scratch():
+    machine = machine_for(target="vllm")
+    # No shrinking here: Hypothesis shrinks a vLLM failure for minutes; the walker test
+    # below shrinks with kvprop's own minimiser instead.
+    with pytest.raises(Violation, match=BUG_KIND):
+        run_state_machine_as_test(machine, settings=ci_settings(max_examples=5000, phases=[Phase.generate]))
+    # What Hypothesis found is a plain kvprop trace: it replays without Hypothesis.
+    trace = failure_trace(machine)
+    failure = tr.execute(trace, target="vllm")
+    assert failure is not None and failure.kind == BUG_KIND
+
+
+@needs_fix
+@pytest.mark.slow
+def test_state_machine_is_clean_on_the_fixed_release():
+    machine = machine_for(target="vllm")
+    run_state_machine_as_test(machine, settings=ci_settings())
+    assert not machine.failures
+
+
+# ---- the walker, the minimiser and replay ------------------------------------------------
+
+# The walker's first counterexample on vLLM 0.23.0, minimised by kvprop (seed 150, 72 -> 5
+# operations; the duplicate block appears in the final drain, when the sync connector
+# offers blocks it offloaded earlier as external tokens).
+MINIMISED_ON_0_23 = {
+    "format": "kvprop-trace/1", "engine": "walk", "seed": 150, "variant": None, "target": "vllm",
+    "config": {
+        "groups": [{"kind": "full", "block_size": 4}, {"kind": "full", "block_size": 4}],
+        "num_blocks": 31, "enable_caching": True, "token_budget": 1, "lookahead": 0, "connector": "sync", "vocab": 4,
+    },
+    "steps": [
+        {"op": "AddLargeRequest", "parent": 0, "seed": 0},
+        {"op": "AddRequest", "parent": 0, "cut": 31, "extra": 1, "seed": 0, "max_new_tokens": 1},
+        {"op": "AddRequest", "parent": 0, "cut": 2, "extra": 10, "seed": 0, "max_new_tokens": 1},
+        {"op": "AddRequest", "parent": 0, "cut": 0, "extra": 1, "seed": 0, "max_new_tokens": 1},
+        {"op": "AddRequest", "parent": 3, "cut": 1, "extra": 1, "seed": 0, "max_new_tokens": 1},
+    ],
+    "drain": True, "failure": None,
+}
+WALK_SEEDS = 2000
+
+
+def test_recorded_counterexample_replays_per_release():
+    """The minimised 0.23.0 counterexample fails the same way on a buggy release and passes
+    on a fixed one: a regression test for the upstream fix."""
+    trace = tr.from_dict(json.loads(json.dumps(MINIMISED_ON_0_23)))
+    failure = tr.execute(trace, target="vllm")
+    if FIXED:
+        assert failure is None
+    else:
+        assert failure is not None and failure.kind == BUG_KIND, failure
+
+
+def first_failing_walk(seeds: int):
+    for seed in range(seeds):
+        result = run_walk(seed, target="vllm")
+        if result.failure is not None:
+            return result
+    return None
+
+
+@needs_bug
+@pytest.mark.slow
+def test_walker_finds_shrinks_and_replays_the_bug():
+    result = first_failing_walk(WALK_SEEDS)
+    assert result is not None, f"no walk of {WALK_SEEDS} failed on vLLM {vllm.__version__}"
+    assert result.failure.kind == BUG_KIND
+    best = minimise(attrs.evolve(result.trace, failure=result.failure), target="vllm")
+    assert best.failure.kind == BUG_KIND and len(best.steps) < len(result.trace.steps)
+    # Durable: it survives the JSON round trip and replays without Hypothesis.
+    replayed = tr.from_dict(json.loads(json.dumps(tr.to_dict(best))))
+    failure = tr.execute(replayed, target="vllm")
+    assert failure is not None and failure.kind == BUG_KIND and failure.step == best.failure.step
+
+
+@needs_fix
+@pytest.mark.slow
+def test_walker_is_clean_on_the_fixed_release():
+    for seed in range(300):
+        result = run_walk(seed, target="vllm")
+        assert result.failure is None, (seed, result.failure)
