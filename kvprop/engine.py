@@ -3,7 +3,9 @@
 One ``step`` schedules running requests first (decode or the next prefill chunk),
 preempting the lowest-priority running request when slots run out, then admits waiting
 requests under the token budget, then "executes": writes every computed position's
-fingerprint into paged memory and reads back what each scheduled request attends.
+fingerprint into paged memory, checking at each write that the block is the writer's own.
+Reading the data back is the checker's job (``kvprop.invariants``), as is everything else
+that judges the allocator; the engine only offers hooks where it hands blocks over.
 """
 
 from __future__ import annotations
@@ -235,8 +237,7 @@ class Engine:
         ref_cnt = self.view.ref_cnt(block_id)
         if ref_cnt == 1:
             return
-        hashes = request.block_hashes
-        own_key = (hashes[index], group) if index < len(hashes) else None
+        own_key = self.own_cache_key(request, index, group) if index < len(request.block_hashes) else None
         key = self.view.cache_key(block_id)
         if ref_cnt < 1 or own_key is None or key != own_key:
             raise Violation(
@@ -338,7 +339,7 @@ class Engine:
                 self.events[EV_CROSS_GROUP] += 1
 
     def _execute(self, report: StepReport) -> None:
-        """Write every newly computed position, read back what each scheduled request attends."""
+        """Write every newly computed position (one scatter), checking each target block first."""
         bs = self.block_size
         slots, values, offload = [], [], []
         null = self.view.null_block_id

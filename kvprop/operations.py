@@ -14,8 +14,8 @@ import attrs
 
 from kvprop.checker import Checker, drain
 from kvprop.errors import RequestError
-from kvprop.request import Status
 from kvprop.specs import AllocatorConfig, ChunkedLocal, EngineConfig, FullAttention, SlidingWindow
+from kvprop.targets import make_engine
 
 # ---- configuration sampler --------------------------------------------------------------
 
@@ -252,8 +252,6 @@ class Harness:
         checks: bool = True,
         target=None,
     ):
-        from kvprop.targets import make_engine
-
         self.config = config
         self.checker = Checker(enabled=checks)
         self.engine = make_engine(config, variant=variant, target=target, device=device, hooks=self.checker)
@@ -282,9 +280,3 @@ class Harness:
 
     def drain(self) -> int:
         return drain(self.engine, self.checker)
-
-    def live_summary(self) -> str:
-        states = {s: 0 for s in Status}
-        for r in self.engine.requests.values():
-            states[r.status] += 1
-        return ", ".join(f"{s.value}={n}" for s, n in states.items() if n)

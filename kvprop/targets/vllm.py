@@ -65,9 +65,15 @@ def _import_vllm() -> SimpleNamespace:
     if not hasattr(kv_cache_utils, "NONE_HASH"):
         kv_cache_utils.init_none_hash(sha256)
     _VLLM = SimpleNamespace(
-        version=vllm.__version__, torch=torch, SamplingParams=SamplingParams, sha256=sha256,
-        kvi=kv_cache_interface, kvu=kv_cache_utils, KVCacheBlocks=KVCacheBlocks,
-        KVCacheManager=KVCacheManager, Request=Request,
+        version=vllm.__version__,
+        torch=torch,
+        SamplingParams=SamplingParams,
+        sha256=sha256,
+        kvi=kv_cache_interface,
+        kvu=kv_cache_utils,
+        KVCacheBlocks=KVCacheBlocks,
+        KVCacheManager=KVCacheManager,
+        Request=Request,
     )
     return _VLLM
 
@@ -110,8 +116,9 @@ def vllm_specs(config: AllocatorConfig, v) -> list:
     distinct = len(config.groups) > 1 and len(set(config.groups)) == 1
     specs = []
     for g, spec in enumerate(config.groups):
-        common = dict(block_size=spec.block_size, num_kv_heads=1, head_size=1 + g if distinct else 1,
-                      dtype=v.torch.float32)
+        common = dict(
+            block_size=spec.block_size, num_kv_heads=1, head_size=1 + g if distinct else 1, dtype=v.torch.float32
+        )
         if isinstance(spec, FullAttention):
             specs.append(v.kvi.FullAttentionSpec(**common))
         elif isinstance(spec, SlidingWindow):
@@ -160,8 +167,9 @@ class VllmAllocator:
             enable_caching=config.enable_caching,
         )
         params = _accepted(v.KVCacheManager.__init__)
-        missing = [n for n, d in params.items()
-                   if d is inspect.Parameter.empty and n not in wanted and n != "kv_cache_config"]
+        missing = [
+            n for n, d in params.items() if d is inspect.Parameter.empty and n not in wanted and n != "kv_cache_config"
+        ]
         if missing:
             raise ConfigError(
                 f"target 'vllm': vLLM {v.version}'s KVCacheManager needs {missing}, which kvprop cannot supply"
@@ -176,8 +184,9 @@ class VllmAllocator:
         except ConfigError:
             raise
         except (AssertionError, ValueError, TypeError, NotImplementedError) as e:
-            raise ConfigError(f"target 'vllm': vLLM {v.version} cannot build an allocator for {config}: "
-                              f"{type(e).__name__}: {e}") from e
+            raise ConfigError(
+                f"target 'vllm': vLLM {v.version} cannot build an allocator for {config}: {type(e).__name__}: {e}"
+            ) from e
         self.pool = self.manager.block_pool
         self.hasher = v.kvu.get_request_block_hasher(self.block_size, v.sha256)
         self._allocate_params = _accepted(v.KVCacheManager.allocate_slots)
@@ -323,13 +332,15 @@ class VllmView:
 
     def free_queue_ids(self) -> list[int]:
         q = self.queue
-        return self._walk(q.fake_free_list_head.next_free_block, "next_free_block", q.fake_free_list_tail,
-                          self.num_blocks + 1)
+        return self._walk(
+            q.fake_free_list_head.next_free_block, "next_free_block", q.fake_free_list_tail, self.num_blocks + 1
+        )
 
     def free_queue_ids_backward(self) -> list[int]:
         q = self.queue
-        return self._walk(q.fake_free_list_tail.prev_free_block, "prev_free_block", q.fake_free_list_head,
-                          self.num_blocks + 1)
+        return self._walk(
+            q.fake_free_list_tail.prev_free_block, "prev_free_block", q.fake_free_list_head, self.num_blocks + 1
+        )
 
     def free_queue_prefix(self, n: int) -> list[int]:
         q = self.queue
@@ -368,8 +379,10 @@ class VllmView:
     # ---- what lets the checker verify only what changed ----------------------------------
 
     def _block_states(self) -> list:
-        return [(b.ref_cnt, b.block_hash, b.prev_free_block is not None or b.next_free_block is not None)
-                for b in self.pool.blocks]
+        return [
+            (b.ref_cnt, b.block_hash, b.prev_free_block is not None or b.next_free_block is not None)
+            for b in self.pool.blocks
+        ]
 
     def take_changes(self) -> set[int]:
         """Ids of blocks whose count, hash or free-queue membership changed since the last call.
