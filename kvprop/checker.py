@@ -120,12 +120,7 @@ class Checker(Hooks):
         every table, so a change to anyone else's table is still caught at the step's end."""
         view = engine.view
         if not self.incremental(engine):
-            tables = inv.gather_tables(view)
-            ref_cnts, keys = view.ref_cnts(), view.cache_keys()
-            inv.check_free_queue_links(view)
-            inv.check_blocks(view, tables, ref_cnts, keys)
-            inv.check_conservation(view, ref_cnts)
-            inv.check_tables(engine, view, tables, keys, pending or {}, admitted_now)
+            tables, keys = self._sweep_structure(engine, pending, admitted_now)
             return tables, keys, None
         if self.mirror is None:
             self.mirror = Mirror(view)
@@ -145,6 +140,18 @@ class Checker(Hooks):
         inv.check_tables(engine, view, IdTables(self.mirror), self.mirror.keys, pending or {}, admitted_now, only)
         return None, self.mirror.keys, changed
 
+    @staticmethod
+    def _sweep_structure(engine, pending=None, admitted_now=frozenset()):
+        """Invariants 1-6 over every block and every table."""
+        view = engine.view
+        tables = inv.gather_tables(view)
+        ref_cnts, keys = view.ref_cnts(), view.cache_keys()
+        inv.check_free_queue_links(view)
+        inv.check_blocks(view, tables, ref_cnts, keys)
+        inv.check_conservation(view, ref_cnts)
+        inv.check_tables(engine, view, tables, keys, pending or {}, admitted_now)
+        return tables, keys
+
     def check_all(self, engine) -> None:
         if not self.enabled:
             return
@@ -160,12 +167,7 @@ class Checker(Hooks):
         if not self.enabled:
             return
         view = engine.view
-        tables = inv.gather_tables(view)
-        ref_cnts, keys = view.ref_cnts(), view.cache_keys()
-        inv.check_free_queue_links(view)
-        inv.check_blocks(view, tables, ref_cnts, keys)
-        inv.check_conservation(view, ref_cnts)
-        inv.check_tables(engine, view, tables, keys, {})
+        tables, keys = self._sweep_structure(engine)
         engine.memory.take_recent_writes()
         inv.check_data(engine, view, tables, keys)
         if self.incremental(engine):
