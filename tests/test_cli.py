@@ -23,6 +23,11 @@ def kvprop(*args, cwd=None, env=None):
     )
 
 
+def kvprop_fuzz(cwd, out, args: str):
+    """``kvprop fuzz`` with one worker writing to ``out``; ``args`` as one would type them."""
+    return kvprop("fuzz", "--workers", "1", "--out", str(out), *args.split(), cwd=cwd)
+
+
 def pytest_file(path, variant):
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)],
@@ -37,24 +42,7 @@ def pytest_file(path, variant):
 def found(tmp_path, engine):
     tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "cx"
-    r = kvprop(
-        "fuzz",
-        "--engine",
-        engine,
-        "--variant",
-        BUG,
-        "--workers",
-        "1",
-        "--seed",
-        "0",
-        "--max-runs",
-        "3000",
-        "--seconds",
-        "600",
-        "--out",
-        str(out),
-        cwd=tmp_path,
-    )
+    r = kvprop_fuzz(tmp_path, out, f"--engine {engine} --variant {BUG} --seed 0 --max-runs 3000 --seconds 600")
     assert r.returncode == 1, r.stdout + r.stderr
     traces = sorted(out.glob("*.json"))
     tests = sorted(out.glob("test_*.py"))

@@ -6,7 +6,7 @@ import subprocess
 import time
 
 import pytest
-from test_cli import BUG, kvprop
+from test_cli import BUG, kvprop, kvprop_fuzz
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 
@@ -38,46 +38,12 @@ def redis_url():
 def test_a_walk_find_is_shared_with_the_next_machine(redis_url, tmp_path):
     from kvprop.shared_store import TraceStore
 
-    first = kvprop(
-        "fuzz",
-        "--variant",
-        BUG,
-        "--workers",
-        "1",
-        "--seed",
-        "0",
-        "--max-runs",
-        "3000",
-        "--seconds",
-        "600",
-        "--redis",
-        redis_url,
-        "--out",
-        str(tmp_path / "a"),
-        cwd=tmp_path,
-    )
+    first = kvprop_fuzz(tmp_path, tmp_path / "a", f"--variant {BUG} --seed 0 --max-runs 3000 --seconds 600 --redis {redis_url}")
     assert first.returncode == 1, first.stdout + first.stderr
     store = TraceStore(redis_url, None, BUG)
     assert len(store) == 1
     # Another machine, with a budget too small to find anything itself, learns of it at once.
-    second = kvprop(
-        "fuzz",
-        "--variant",
-        BUG,
-        "--workers",
-        "1",
-        "--seed",
-        "424242",
-        "--max-runs",
-        "1",
-        "--seconds",
-        "60",
-        "--redis",
-        redis_url,
-        "--out",
-        str(tmp_path / "b"),
-        cwd=tmp_path,
-    )
+    second = kvprop_fuzz(tmp_path, tmp_path / "b", f"--variant {BUG} --seed 424242 --max-runs 1 --seconds 60 --redis {redis_url}")
     assert second.returncode == 1, second.stdout + second.stderr
     assert "shared store" in second.stdout
     assert len(list((tmp_path / "b").glob("*.json"))) == 1
@@ -86,26 +52,8 @@ def test_a_walk_find_is_shared_with_the_next_machine(redis_url, tmp_path):
 def test_the_hypothesis_engine_saves_examples_to_redis(redis_url, tmp_path):
     import redis
 
-    r = kvprop(
-        "fuzz",
-        "--engine",
-        "hypothesis",
-        "--variant",
-        "swa-skip-off-by-one",
-        "--workers",
-        "1",
-        "--seed",
-        "0",
-        "--max-runs",
-        "1000",
-        "--seconds",
-        "300",
-        "--redis",
-        redis_url,
-        "--out",
-        str(tmp_path / "h"),
-        cwd=tmp_path,
-    )
+    args = f"--engine hypothesis --variant swa-skip-off-by-one --seed 0 --max-runs 1000 --seconds 300 --redis {redis_url}"
+    r = kvprop_fuzz(tmp_path, tmp_path / "h", args)
     assert r.returncode == 1, r.stdout + r.stderr
     keys = redis.Redis.from_url(redis_url).keys(b"kvprop-hypothesis:*")
     assert keys, "Hypothesis saved no example to the shared database"
