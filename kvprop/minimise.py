@@ -10,7 +10,7 @@ from __future__ import annotations
 import attrs
 
 from kvprop.errors import ConfigError
-from kvprop.operations import PROMPT_PRODUCERS
+from kvprop.operations import PROMPT_PRODUCERS, AddLargeRequest, AddRequest
 from kvprop.specs import AllocatorConfig, FullAttention
 from kvprop.trace import Failure, Trace, execute
 
@@ -50,7 +50,9 @@ class Minimiser:
             self.remove_steps()
             self.simplify_arguments()
             self.simplify_config()
-            if (len(self.best.steps), self._weight(self.best)) >= size:
+            if (len(self.best.steps), self._weight(self.best)) < size:
+                continue
+            if not self.fill_with_large_requests():
                 return self.best
 
     @staticmethod
@@ -74,6 +76,23 @@ class Minimiser:
                     continue
                 i += chunk
             chunk //= 2
+
+    def fill_with_large_requests(self) -> bool:
+        """Try one large request in place of a run of small ones that fill the pool: keeps a
+        candidate that fails the same way with fewer operations. Returns whether it shrank."""
+        steps = self.best.steps
+        for i, op in enumerate(steps):
+            if not isinstance(op, AddRequest):
+                continue
+            large = AddLargeRequest(parent=op.parent, seed=op.seed)
+            for j in range(len(steps), i, -1):
+                if sum(isinstance(s, AddRequest) for s in steps[i:j]) < 2:
+                    break
+                # a run of k producers becomes one: later parents shift by k - 1
+                candidate = without(steps[:i] + (large,) + steps[i:], i + 1, j + 1)
+                if self.accept(self.best.with_steps(candidate)):
+                    return True
+        return False
 
     def simplify_arguments(self) -> None:
         for i in range(len(self.best.steps)):
