@@ -80,9 +80,11 @@ class Engine:
 
     # ---- what correct data looks like ---------------------------------------------------
 
-    def own_cache_key(self, request: Request, index: int, group: int):
-        """The cache key block ``index`` of ``request`` must carry in ``group`` once cached."""
-        return (request.block_hashes[index], group)
+    @staticmethod
+    def own_cache_key(block_hash: int, group: int):
+        """The cache key a request's block with kvprop hash ``block_hash`` carries in ``group`` once
+        cached (targets report their keys in these terms)."""
+        return (block_hash, group)
 
     def expected_cached_row(self, key):
         """(first position, fingerprints) a block cached under ``key`` must hold, if the hash is known."""
@@ -237,7 +239,8 @@ class Engine:
         ref_cnt = self.view.ref_cnt(block_id)
         if ref_cnt == 1:
             return
-        own_key = self.own_cache_key(request, index, group) if index < len(request.block_hashes) else None
+        hashes = request.block_hashes
+        own_key = self.own_cache_key(hashes[index], group) if index < len(hashes) else None
         key = self.view.cache_key(block_id)
         if ref_cnt < 1 or own_key is None or key != own_key:
             raise Violation(

@@ -231,16 +231,15 @@ def check_tables(
                     groups=[g],
                 )
             skipped_blocks = spec.skipped_tokens(computed) // bs
-            attended_from = spec.skipped_tokens(computed) // bs
-            for i, block_id in enumerate(table):
-                if block_id == null and i >= skipped_blocks:
-                    raise Violation(
-                        "null-in-attended-range",
-                        f"{rid!r} group {g} has the null block at index {i}, but with {computed} computed tokens "
-                        f"only the first {skipped_blocks} blocks may be skipped (attended from block {attended_from})",
-                        requests=[rid],
-                        groups=[g],
-                    )
+            if null in table[skipped_blocks:]:
+                i = table.index(null, skipped_blocks)
+                raise Violation(
+                    "null-in-attended-range",
+                    f"{rid!r} group {g} has the null block at index {i}, but with {computed} computed tokens "
+                    f"only the first {skipped_blocks} blocks may be skipped",
+                    requests=[rid],
+                    groups=[g],
+                )
             if num_cached > len(table) or num_cached > len(request.block_hashes):
                 raise Violation(
                     "cached-count",
@@ -252,11 +251,10 @@ def check_tables(
             # A window of one token never needs an earlier block for a hit, so an allocator may
             # count such blocks as done without caching them (vLLM does); any other key is wrong.
             uncached_ok = isinstance(spec, SlidingWindow) and spec.hit_blocks_needed == 0
-            for i in range(num_cached):
-                block_id = table[i]
+            for i, (block_id, block_hash) in enumerate(zip(table[:num_cached], request.block_hashes)):
                 if block_id == null:
                     continue
-                own = engine.own_cache_key(request, i, g)
+                own = engine.own_cache_key(block_hash, g)
                 if keys[block_id] != own and not (uncached_ok and keys[block_id] is None):
                     raise Violation(
                         "cached-block-lost-hash",
