@@ -127,6 +127,3 @@ class Mirror:
             )
         if check:
             inv.check_conservation_counts(view, view.num_blocks - 1 - len(free))
-
-    def tables_by_id(self) -> dict:
-        return {key: [b.block_id for b in t] for key, t in self.tables.items()}

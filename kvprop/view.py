@@ -93,19 +93,3 @@ class AllocatorView:
         in_map = key is not None and block_id in cached.get(key, ())
         stale = old_key is not None and old_key != key and block_id in cached.get(old_key, ())
         return block.ref_cnt, key, in_queue, links_ok, in_map, stale
-
-    def in_free_queue(self, block_id: int) -> bool:
-        block = self.pool.blocks[block_id]
-        return block.prev is not None or block.next is not None
-
-    def links_consistent(self, block_id: int) -> bool:
-        block = self.pool.blocks[block_id]
-        if block.prev is None and block.next is None:
-            return True
-        return (
-            block.prev is not None and block.next is not None and block.prev.next is block and block.next.prev is block
-        )
-
-    def map_has(self, key, block_id: int) -> bool:
-        entry = self.pool.cached.get(key)
-        return entry is not None and block_id in entry
