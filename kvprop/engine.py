@@ -76,7 +76,6 @@ class Engine:
         self.loading: dict[str, Request] = {}
         self.events: Counter = Counter()
         self.next_id = 0
-        self.num_steps = 0
 
     # ---- what correct data looks like ---------------------------------------------------
 
@@ -338,7 +337,7 @@ class Engine:
         if ext and num_hit and len(hits) > 1:
             need = self.max_blocks_needed(num_hit + ext + n)
             head = set(self.view.free_queue_prefix(need))
-            if any(b.block_id in head for group in hits for b in group if hasattr(b, "block_id")):
+            if any(b.block_id in head for group in hits for b in group):
                 self.events[EV_CROSS_GROUP] += 1
 
     def _execute(self, report: StepReport) -> None:
@@ -391,4 +390,3 @@ class Engine:
                     report.finished.append(rid)
                 else:
                     request.append_token(request.next_token())
-        self.num_steps += 1

@@ -164,17 +164,14 @@ def search(opts: FuzzOptions, status=None) -> FuzzResult:
     start = time.monotonic()
     for p in procs:
         p.start()
-    runs = steps = 0
-    events: set = set()
-    found = None
-    found_at = None
+    tally = _Tally()
     shared = False
     last_status = start
     crash = None
     try:
         while True:
             elapsed = time.monotonic() - start
-            if elapsed >= opts.seconds or found is not None or crash is not None:
+            if elapsed >= opts.seconds or tally.found is not None or crash is not None:
                 break
             if not any(p.is_alive() for p in procs) and out.empty():
                 break
@@ -183,19 +180,13 @@ def search(opts: FuzzOptions, status=None) -> FuzzResult:
             except queue_mod.Empty:
                 msg = None
             if msg is not None:
-                if msg[0] == "progress":
-                    runs, steps = runs + msg[1], steps + msg[2]
-                    events |= msg[3]
-                elif msg[0] == "failure":
-                    found, found_at = tr.from_dict(msg[1]), time.monotonic() - start
-                elif msg[0] == "crash":
-                    crash = msg[1]
+                crash = tally.absorb(msg, time.monotonic() - start) or crash
             if time.monotonic() - last_status >= STATUS_EVERY:
                 last_status = time.monotonic()
                 if status:
-                    status(_status_line(time.monotonic() - start, runs, steps, events, found))
-                if store is not None and found is None and len(store) > seen:
-                    found, found_at, shared = store.traces(seen)[0], time.monotonic() - start, True
+                    status(tally.status_line(time.monotonic() - start))
+                if store is not None and tally.found is None and len(store) > seen:
+                    tally.found, tally.found_at, shared = store.traces(seen)[0], time.monotonic() - start, True
     finally:
         stop.set()
         deadline = time.monotonic() + 5
@@ -208,32 +199,57 @@ def search(opts: FuzzOptions, status=None) -> FuzzResult:
                 msg = out.get_nowait()
             except (queue_mod.Empty, OSError, ValueError):
                 break
-            if msg[0] == "progress":
-                runs, steps = runs + msg[1], steps + msg[2]
-                events |= msg[3]
-            elif msg[0] == "failure" and found is None:
-                found, found_at = tr.from_dict(msg[1]), time.monotonic() - start
+            tally.absorb(msg, time.monotonic() - start)  # a late crash report no longer matters
+    found = tally.found
     if crash is not None and found is None:
         raise RuntimeError(f"a fuzz worker crashed: {crash}")
     elapsed = time.monotonic() - start
     if status:
-        status(_status_line(elapsed, runs, steps, events, found))
+        status(tally.status_line(elapsed))
     minimised = None
     if found is not None and opts.minimise and not shared:
         minimised = minimise(found, variant=opts.variant, target=opts.target, device=opts.device)
         if store is not None:
             store.push(minimised)
     return FuzzResult(
-        found, minimised or (found if shared else None), runs, steps, elapsed, frozenset(events), found_at, shared
+        found,
+        minimised or (found if shared else None),
+        tally.runs,
+        tally.steps,
+        elapsed,
+        frozenset(tally.events),
+        tally.found_at,
+        shared,
     )
 
 
-def _status_line(elapsed, runs, steps, events, found) -> str:
-    rate = steps / elapsed if elapsed > 0 else 0.0
-    return (
-        f"[{elapsed:7.1f}s] runs {runs:,} | steps {steps:,} | {rate:,.0f} steps/s | "
-        f"failures {int(found is not None)} | events {len(events & set(EVENTS))}/{len(EVENTS)}"
-    )
+@attrs.define
+class _Tally:
+    """What the workers have reported: progress adds up, the first failure wins."""
+
+    runs: int = 0
+    steps: int = 0
+    events: set = attrs.field(factory=set)
+    found: Trace | None = None
+    found_at: float | None = None
+
+    def absorb(self, msg, elapsed: float) -> str | None:
+        """Fold in one worker message; returns a crash report, if that is what it was."""
+        if msg[0] == "progress":
+            self.runs, self.steps = self.runs + msg[1], self.steps + msg[2]
+            self.events |= msg[3]
+        elif msg[0] == "failure" and self.found is None:
+            self.found, self.found_at = tr.from_dict(msg[1]), elapsed
+        elif msg[0] == "crash":
+            return msg[1]
+        return None
+
+    def status_line(self, elapsed: float) -> str:
+        rate = self.steps / elapsed if elapsed > 0 else 0.0
+        return (
+            f"[{elapsed:7.1f}s] runs {self.runs:,} | steps {self.steps:,} | {rate:,.0f} steps/s | "
+            f"failures {int(self.found is not None)} | events {len(self.events & set(EVENTS))}/{len(EVENTS)}"
+        )
 
 
 def write_counterexample(trace: Trace, out: Path) -> tuple[Path, Path]:
