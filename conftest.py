@@ -1,5 +1,5 @@
 """Selects the Hypothesis profile explicitly: $KVPROP_PROFILE, else ``dev`` (``--hypothesis-profile`` still wins)."""
 
-from kvprop import profiles
+from kvprop.search import profiles
 
 profiles.load()

@@ -18,13 +18,15 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
 
-from kvprop import fuzz, profiles
-from kvprop.checker import Checker
-from kvprop.machine import machine_for, trace_length
-from kvprop.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow
-from kvprop.trace import execute
-from kvprop.variants import VARIANTS, make_engine
-from kvprop.walk import plan
+from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow
+from kvprop.check.checker import Checker
+from kvprop.repro.minimise import minimise
+from kvprop.search import fuzz, profiles
+from kvprop.search.execute import execute
+from kvprop.search.machine import machine_for, trace_length
+from kvprop.search.walk import plan
+from kvprop.targets.kvprop import build_kvprop_engine
+from kvprop.targets.variants import VARIANTS
 
 
 def _recorder(into: list):
@@ -96,7 +98,7 @@ def _scaling_cell(num_blocks: int, live: int, checks: bool, steps: int) -> float
         AllocatorConfig((FullAttention(4), SlidingWindow(4, 16)), num_blocks), token_budget=4096, connector="sync"
     )
     checker = Checker(enabled=checks)
-    engine = make_engine(config, hooks=checker)
+    engine = build_kvprop_engine(config, hooks=checker)
     tokens = max(4, min(64, ((num_blocks - 1) // 2 // live) * 4))
     added = [0]
 
@@ -163,7 +165,7 @@ def time_to_find(quick: bool) -> list[dict]:
                     )
                 if result.found is None:
                     continue
-                best = result.minimised
+                best = minimise(result.found, variant=variant)
                 secs.append(result.seconds_to_find)
                 steps.append(result.steps)
                 shrunk.append(trace_length(best))

@@ -16,7 +16,7 @@ EXIT_FOUND, EXIT_BAD_INPUT = 1, 2
 
 
 def _print_steps(trace, variant, target, device) -> object:
-    from kvprop.trace import execute
+    from kvprop.search.execute import execute
 
     def show(i, op, outcome):
         print(f"  {i:3d}: {op!r}\n       -> {outcome}")
@@ -34,8 +34,8 @@ def _print_steps(trace, variant, target, device) -> object:
 
 
 def cmd_fuzz(args) -> int:
-    from kvprop import fuzz
-    from kvprop.variants import get_variant
+    from kvprop.search import fuzz
+    from kvprop.targets.variants import get_variant
 
     get_variant(args.variant)
     if args.target not in (None, "kvprop"):
@@ -74,7 +74,11 @@ def cmd_fuzz(args) -> int:
             f"events reached: {len(result.events)}"
         )
         return 0
-    best = result.minimised or result.found
+    best = result.found
+    if not result.shared:
+        from kvprop.repro.minimise import minimise
+
+        best = minimise(result.found, variant=args.variant, target=args.target, device=args.device)
     if result.shared:
         print(f"\nFOUND {best.failure.kind} by another machine (shared store); {len(best.steps)} operations:")
     else:
@@ -83,13 +87,15 @@ def cmd_fuzz(args) -> int:
             f"{result.found.seed}); {len(result.found.steps)} operations minimised to {len(best.steps)}:"
         )
     _print_steps(best, args.variant, args.target, args.device)
-    trace_path, test_path = fuzz.write_counterexample(best, Path(args.out))
+    from kvprop.repro import counterexample
+
+    trace_path, test_path = counterexample.write(best, Path(args.out))
     print(f"\nwrote {trace_path}\nwrote {test_path}\nreplay: kvprop replay {trace_path}")
     return EXIT_FOUND
 
 
 def _canary(args) -> bool:
-    from kvprop import fuzz
+    from kvprop.search import fuzz
 
     print("canary: searching for the known bug 'interleaved-external-alloc' first ...", flush=True)
     opts = fuzz.FuzzOptions(
@@ -99,7 +105,6 @@ def _canary(args) -> bool:
         engine="walk",
         variant="interleaved-external-alloc",
         device=args.device,
-        minimise=False,
     )
     result = fuzz.search(opts)
     if result.found is None:
@@ -113,7 +118,7 @@ def _canary(args) -> bool:
 
 
 def cmd_replay(args) -> int:
-    from kvprop import trace as tr
+    from kvprop.search import trace as tr
 
     trace = tr.load(args.file)
     variant = args.variant if args.variant is not None else trace.variant
@@ -135,8 +140,8 @@ def cmd_replay(args) -> int:
 def cmd_shrink(args) -> int:
     import attrs
 
-    from kvprop import trace as tr
-    from kvprop.minimise import minimise
+    from kvprop.search import trace as tr
+    from kvprop.repro.minimise import minimise
 
     trace = tr.load(args.file)
     variant = args.variant if args.variant is not None else trace.variant
@@ -155,8 +160,8 @@ def cmd_shrink(args) -> int:
 
 
 def cmd_emit_test(args) -> int:
-    from kvprop import regress
-    from kvprop import trace as tr
+    from kvprop.repro import regress
+    from kvprop.search import trace as tr
 
     trace = tr.load(args.file)
     source = regress.render(trace, source=Path(args.file).name)
@@ -167,9 +172,10 @@ def cmd_emit_test(args) -> int:
 
 
 def cmd_bugs(args) -> int:
-    from kvprop import fuzz
-    from kvprop.machine import trace_length
-    from kvprop.variants import VARIANTS
+    from kvprop.repro.minimise import minimise
+    from kvprop.search import fuzz
+    from kvprop.search.machine import trace_length
+    from kvprop.targets.variants import VARIANTS
 
     rows = []
     for name in VARIANTS:
@@ -182,7 +188,7 @@ def cmd_bugs(args) -> int:
             device=args.device,
         )
         result = fuzz.search(opts)
-        best = result.minimised or result.found
+        best = minimise(result.found, variant=name, device=args.device) if result.found else None
         rows.append(
             {
                 "variant": name,
@@ -207,7 +213,7 @@ def cmd_bugs(args) -> int:
 
 
 def cmd_variants(args) -> int:
-    from kvprop.variants import VARIANTS
+    from kvprop.targets.variants import VARIANTS
 
     for v in VARIANTS.values():
         print(f"{v.name:30s} {v.bug}")
@@ -221,7 +227,7 @@ def cmd_bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvprop.fuzz import default_workers
+    from kvprop.search.fuzz import default_workers
 
     p = argparse.ArgumentParser(
         prog="kvprop", description="Stateful property-based testing of paged, prefix-caching KV-cache allocators."

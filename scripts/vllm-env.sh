@@ -107,7 +107,7 @@ assert torch.version.cuda is None, torch.version.cuda
 import vllm  # noqa: E402
 
 assert vllm.__version__ == sys.argv[1], (vllm.__version__, sys.argv[1])
-from kvprop.specs import AllocatorConfig, FullAttention, SlidingWindow  # noqa: E402
+from kvprop.allocator.specs import AllocatorConfig, FullAttention, SlidingWindow  # noqa: E402
 from kvprop.targets.vllm import make_target  # noqa: E402
 
 allocator, view = make_target(AllocatorConfig((FullAttention(4), SlidingWindow(4, 16)), 13))

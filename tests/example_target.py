@@ -10,9 +10,9 @@ allocation, so the harness has something to find through a path-loaded target to
 
 from __future__ import annotations
 
-from kvprop.specs import AllocatorConfig
-from kvprop.variants import make_allocator
-from kvprop.view import AllocatorView
+from kvprop.allocator.specs import AllocatorConfig
+from kvprop.allocator.view import AllocatorView
+from kvprop.targets.kvprop import make_allocator
 
 
 def make_target(config: AllocatorConfig):

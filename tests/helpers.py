@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kvprop.hashing import fingerprint
-from kvprop.paged_memory import PagedMemory
-from kvprop.request import Request
-from kvprop.specs import AllocatorConfig, EngineConfig
-from kvprop.variants import make_allocator, make_engine
+from kvprop.allocator.hashing import fingerprint
+from kvprop.allocator.specs import AllocatorConfig, EngineConfig
+from kvprop.sim.memory import PagedMemory
+from kvprop.sim.request import Request
+from kvprop.targets.kvprop import build_kvprop_engine, make_allocator
 
 NULL = 0  # the null block's id; "-" in reference-scenarios.md
 BUGGY = "interleaved-external-alloc"
@@ -25,7 +25,7 @@ def allocator(groups, num_blocks, variant=None, enable_caching=True):
 
 def engine(groups, num_blocks, variant=None, hooks=None, **engine_kwargs):
     config = EngineConfig(AllocatorConfig(tuple(groups), num_blocks), **engine_kwargs)
-    return make_engine(config, variant=variant, device="cpu", hooks=hooks)
+    return build_kvprop_engine(config, variant=variant, device="cpu", hooks=hooks)
 
 
 def req(request_id, tokens, block_size, max_new_tokens=4):
@@ -52,8 +52,12 @@ def prefill(mgr, request, num_external=0, num_new=None, **kwargs):
     if num_new is None:
         num_new = request.num_tokens - num_hit - num_external
     result = mgr.allocate_slots(
-        request, num_new, num_new_computed_tokens=num_hit, new_computed_blocks=hits,
-        num_external_computed_tokens=num_external, **kwargs,
+        request,
+        num_new,
+        num_new_computed_tokens=num_hit,
+        new_computed_blocks=hits,
+        num_external_computed_tokens=num_external,
+        **kwargs,
     )
     if result is not None:
         request.num_computed_tokens = num_hit + num_external + num_new

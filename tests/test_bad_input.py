@@ -6,16 +6,18 @@ from __future__ import annotations
 import pytest
 from helpers import allocator, engine, prefill, req
 
-from kvprop.errors import ConfigError, RequestError
-from kvprop.paged_memory import pick_device
-from kvprop.specs import (
+from kvprop.allocator.specs import (
     AllocatorConfig,
     ChunkedLocal,
     EngineConfig,
     FullAttention,
     SlidingWindow,
 )
-from kvprop.variants import VARIANTS, make_allocator, make_engine
+from kvprop.errors import ConfigError, RequestError
+from kvprop.sim.memory import pick_device
+from kvprop.targets.kvprop import build_kvprop_engine as make_engine
+from kvprop.targets.kvprop import make_allocator
+from kvprop.targets.variants import VARIANTS
 
 OK_GROUPS = (FullAttention(4),)
 
@@ -31,9 +33,18 @@ OK_GROUPS = (FullAttention(4),)
         (lambda: SlidingWindow(4, 0), r"SlidingWindow\.window must be >= 1, got 0"),
         (lambda: ChunkedLocal(4, 0), r"ChunkedLocal\.chunk must be >= 1, got 0"),
         (lambda: AllocatorConfig(OK_GROUPS, 1), r"AllocatorConfig\.num_blocks must be >= 2, got 1"),
-        (lambda: EngineConfig(AllocatorConfig(OK_GROUPS, 8), token_budget=0), r"EngineConfig\.token_budget must be >= 1, got 0"),
-        (lambda: EngineConfig(AllocatorConfig(OK_GROUPS, 8), lookahead=17), r"EngineConfig\.lookahead must be in \[0, 16\], got 17"),
-        (lambda: EngineConfig(AllocatorConfig(OK_GROUPS, 8), lookahead=-1), r"EngineConfig\.lookahead must be in \[0, 16\], got -1"),
+        (
+            lambda: EngineConfig(AllocatorConfig(OK_GROUPS, 8), token_budget=0),
+            r"EngineConfig\.token_budget must be >= 1, got 0",
+        ),
+        (
+            lambda: EngineConfig(AllocatorConfig(OK_GROUPS, 8), lookahead=17),
+            r"EngineConfig\.lookahead must be in \[0, 16\], got 17",
+        ),
+        (
+            lambda: EngineConfig(AllocatorConfig(OK_GROUPS, 8), lookahead=-1),
+            r"EngineConfig\.lookahead must be in \[0, 16\], got -1",
+        ),
         (lambda: EngineConfig(AllocatorConfig(OK_GROUPS, 8), vocab=0), r"EngineConfig\.vocab must be >= 1, got 0"),
     ],
 )
@@ -52,7 +63,10 @@ def test_pool_with_only_the_null_block_is_refused():
 
 def test_mismatched_block_sizes_across_groups():
     """All groups share one pool, so they must share one block size."""
-    with pytest.raises(ConfigError, match=r"AllocatorConfig\.groups must all have the same block_size \(one shared pool\), got \[2, 4\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"AllocatorConfig\.groups must all have the same block_size \(one shared pool\), got \[2, 4\]",
+    ):
         AllocatorConfig((FullAttention(4), SlidingWindow(2, 8)), 8)
 
 
@@ -66,8 +80,14 @@ def test_chunk_not_a_multiple_of_block_size():
     "groups, message",
     [
         ((), r"AllocatorConfig\.groups must be a tuple of 1 to 8 attention specs, got \(\)"),
-        (tuple(FullAttention(2) for _ in range(9)), r"AllocatorConfig\.groups must be a tuple of 1 to 8 attention specs"),
-        ((FullAttention(2), "full"), r"AllocatorConfig\.groups\[1\] must be one of FullAttention, SlidingWindow, ChunkedLocal, got 'full'"),
+        (
+            tuple(FullAttention(2) for _ in range(9)),
+            r"AllocatorConfig\.groups must be a tuple of 1 to 8 attention specs",
+        ),
+        (
+            (FullAttention(2), "full"),
+            r"AllocatorConfig\.groups\[1\] must be one of FullAttention, SlidingWindow, ChunkedLocal, got 'full'",
+        ),
     ],
 )
 def test_bad_group_lists(groups, message):
@@ -78,7 +98,9 @@ def test_bad_group_lists(groups, message):
 
 def test_unknown_connector_mode():
     """The connector mode is one of off, sync, async."""
-    with pytest.raises(ConfigError, match=r"EngineConfig\.connector must be one of \['off', 'sync', 'async'\], got 'remote'"):
+    with pytest.raises(
+        ConfigError, match=r"EngineConfig\.connector must be one of \['off', 'sync', 'async'\], got 'remote'"
+    ):
         EngineConfig(AllocatorConfig(OK_GROUPS, 8), connector="remote")
 
 
@@ -90,8 +112,14 @@ def test_unknown_connector_mode():
         (lambda: FullAttention(True), r"FullAttention\.block_size must be an integer, got True"),
         (lambda: SlidingWindow(4, None), r"SlidingWindow\.window must be an integer, got None"),
         (lambda: AllocatorConfig(OK_GROUPS, 8.5), r"AllocatorConfig\.num_blocks must be an integer, got 8\.5"),
-        (lambda: EngineConfig(AllocatorConfig(OK_GROUPS, 8), token_budget="64"), r"EngineConfig\.token_budget must be an integer, got '64'"),
-        (lambda: AllocatorConfig(OK_GROUPS, 8, enable_caching=1), r"AllocatorConfig\.enable_caching must be True or False, got 1"),
+        (
+            lambda: EngineConfig(AllocatorConfig(OK_GROUPS, 8), token_budget="64"),
+            r"EngineConfig\.token_budget must be an integer, got '64'",
+        ),
+        (
+            lambda: AllocatorConfig(OK_GROUPS, 8, enable_caching=1),
+            r"AllocatorConfig\.enable_caching must be True or False, got 1",
+        ),
     ],
 )
 def test_non_integer_values(build, message):
@@ -167,7 +195,9 @@ def test_negative_token_counts(name):
 def test_request_too_large_for_the_pool():
     """A request that could never finish is refused at add_request, naming blocks needed and usable."""
     eng = engine([FullAttention(2), SlidingWindow(2, 4)], 9)
-    with pytest.raises(RequestError, match=r"add_request: .* may need 10 blocks .* but the pool has only 8 usable blocks"):
+    with pytest.raises(
+        RequestError, match=r"add_request: .* may need 10 blocks .* but the pool has only 8 usable blocks"
+    ):
         eng.add_request(list(range(8)), 2)
     assert eng.requests == {} and not eng.waiting
     eng.add_request(list(range(6)), 2)  # 2 x ceil(8 / 2) = 8 blocks: fits exactly

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvprop.block_pool import Block, BlockPool, FreeBlockQueue
+from kvprop.allocator.block_pool import Block, BlockPool, FreeBlockQueue
 from kvprop.errors import AllocatorError
 
 

@@ -7,8 +7,8 @@ from contextlib import contextmanager
 import pytest
 from helpers import BUGGY, NULL, allocator, hit_ids, prefill, queue, req
 
-from kvprop.coordinator import HybridCoordinator, UnitaryCoordinator
-from kvprop.specs import FullAttention, SlidingWindow
+from kvprop.allocator.coordinator import HybridCoordinator, UnitaryCoordinator
+from kvprop.allocator.specs import FullAttention, SlidingWindow
 
 BS = 4
 HYBRID = [FullAttention(BS), SlidingWindow(BS, 2 * BS), SlidingWindow(BS, 2 * BS)]  # window = 2 blocks

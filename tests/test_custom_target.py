@@ -11,13 +11,13 @@ import sys
 
 import pytest
 
-from kvprop.checker import Checker, drain
+from kvprop.allocator.manager import KVCacheManager
+from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow
+from kvprop.allocator.view import AllocatorView
+from kvprop.check.checker import Checker, drain
 from kvprop.errors import ConfigError
-from kvprop.kv_cache_manager import KVCacheManager
-from kvprop.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow
-from kvprop.targets import load_factory, make_engine
-from kvprop.view import AllocatorView
-from kvprop.walk import run_walk
+from kvprop.search.walk import run_walk
+from kvprop.targets import build_engine, load_factory
 
 EXAMPLE = "tests.example_target:make_target"
 BUGGY = "tests.example_target:make_buggy_target"
@@ -26,7 +26,7 @@ CONFIG = EngineConfig(AllocatorConfig((FullAttention(4), SlidingWindow(4, 8)), 1
 
 def test_path_target_drives_the_engine_to_completion():
     checker = Checker()
-    engine = make_engine(CONFIG, target=EXAMPLE, hooks=checker)
+    engine = build_engine(CONFIG, target=EXAMPLE, hooks=checker)
     assert type(engine.allocator) is KVCacheManager and type(engine.view) is AllocatorView
     engine.add_request(list(range(9)), 3)
     engine.add_request(list(range(5)) + [7, 7], 2)
@@ -64,13 +64,13 @@ def test_bug_behind_a_path_target_is_found():
 )
 def test_bad_target_path_is_a_config_error_that_says_what_is_wrong(target, says):
     with pytest.raises(ConfigError) as info:
-        make_engine(CONFIG, target=target)
+        build_engine(CONFIG, target=target)
     assert repr(target) in str(info.value) and says in str(info.value)
 
 
 def test_variant_with_a_path_target_is_a_config_error():
     with pytest.raises(ConfigError, match="applies to the kvprop target only"):
-        make_engine(CONFIG, variant="interleaved-external-alloc", target=EXAMPLE)
+        build_engine(CONFIG, variant="interleaved-external-alloc", target=EXAMPLE)
 
 
 def test_load_factory_returns_the_callable():
@@ -87,4 +87,4 @@ def test_vllm_target_without_vllm_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
     monkeypatch.setattr(vllm_target, "_VLLM", None)
     with pytest.raises(ConfigError, match=r"make vllm-env VLLM_VERSION=0\.24\.0"):
-        make_engine(CONFIG, target="vllm")
+        build_engine(CONFIG, target="vllm")

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from kvprop.errors import ConfigError
-from kvprop.paged_memory import UNWRITTEN, PagedMemory, pick_device
-from kvprop.trace import execute
-from kvprop.walk import plan
+from kvprop.search.execute import execute
+from kvprop.search.walk import plan
+from kvprop.sim.memory import UNWRITTEN, PagedMemory, pick_device
 
 DEVICES = [
     "cpu",

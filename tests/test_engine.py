@@ -8,11 +8,11 @@ import contextlib
 import pytest
 from helpers import engine
 
-from kvprop.checker import Checker, drain
-from kvprop.engine import EV_ABORT_LOAD, EV_LOAD_FAIL, EV_PREEMPT, EV_REHIT
+from kvprop.allocator.specs import FullAttention, SlidingWindow
+from kvprop.check.checker import Checker, drain
 from kvprop.errors import RequestError, Violation
-from kvprop.request import Status
-from kvprop.specs import FullAttention, SlidingWindow
+from kvprop.sim.engine import EV_ABORT_LOAD, EV_LOAD_FAIL, EV_PREEMPT, EV_REHIT
+from kvprop.sim.request import Status
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ import os
 import subprocess
 import sys
 
-from kvprop.hashing import ROOT_HASH, chain_hashes, fingerprint, hash_block, prefix_hash
-from kvprop.request import Request
+from kvprop.allocator.hashing import ROOT_HASH, chain_hashes, fingerprint, hash_block, prefix_hash
+from kvprop.sim.request import Request
 
 
 def test_hash_block_is_deterministic():
@@ -89,7 +89,7 @@ def test_prefix_hash_and_fingerprint_are_position_and_group_sensitive():
 
 def test_hashes_are_reproducible_across_processes():
     """No per-process salt: a fresh interpreter computes the same chain (PYTHONHASHSEED varies)."""
-    code = "from kvprop.hashing import chain_hashes; print(chain_hashes([1, 2, 3, 4], 2))"
+    code = "from kvprop.allocator.hashing import chain_hashes; print(chain_hashes([1, 2, 3, 4], 2))"
     outs = set()
     for seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": seed}

@@ -6,10 +6,10 @@ from hypothesis import Phase, settings
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvprop import profiles
-from kvprop.engine import EVENTS
 from kvprop.errors import Violation
-from kvprop.machine import machine_for
+from kvprop.search import profiles
+from kvprop.search.machine import machine_for
+from kvprop.sim.engine import EVENTS
 
 
 def _settings(**overrides):
@@ -48,7 +48,7 @@ def test_a_failing_case_prints_as_a_runnable_step_program():
     program = program[: program.index("state.teardown()") + len("state.teardown()")]
     assert "state.configure(config=EngineConfig(" in program
     namespace = {type(machine).__name__: machine, machine.__name__: machine}
-    exec("from kvprop.specs import *\nfrom kvprop.operations import *", namespace)
+    exec("from kvprop.allocator.specs import *\nfrom kvprop.search.alphabet import *", namespace)
     with pytest.raises(Violation) as replayed:
         exec(program, namespace)
     assert replayed.value.kind == info.value.kind

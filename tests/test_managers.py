@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 from helpers import NULL, allocator, hit_ids, prefill, queue, refs, req
 
-from kvprop.block_pool import BlockPool
-from kvprop.managers import (
+from kvprop.allocator.block_pool import BlockPool
+from kvprop.allocator.managers import (
     ChunkedLocalManager,
     FullAttentionManager,
     SlidingWindowManager,
 )
-from kvprop.specs import ChunkedLocal, FullAttention, SlidingWindow
+from kvprop.allocator.specs import ChunkedLocal, FullAttention, SlidingWindow
 
 HASHES = [1000 + i for i in range(16)]  # stand-in block hashes; only equality matters here
 

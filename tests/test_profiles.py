@@ -3,8 +3,8 @@
 import pytest
 from hypothesis import settings
 
-from kvprop import profiles
 from kvprop.errors import ConfigError
+from kvprop.search import profiles
 
 
 def test_every_profile_sets_deadline_and_health_checks_itself():

@@ -30,11 +30,11 @@ from helpers import (
     req,
 )
 
-from kvprop.checker import Checker, drain
-from kvprop.engine import EV_CROSS_GROUP
+from kvprop.allocator.specs import FullAttention, SlidingWindow
+from kvprop.check.checker import Checker, drain
 from kvprop.errors import Violation
-from kvprop.request import Status
-from kvprop.specs import FullAttention, SlidingWindow
+from kvprop.sim.engine import EV_CROSS_GROUP
+from kvprop.sim.request import Status
 
 VARIANTS = [pytest.param(None, id="fixed"), pytest.param(BUGGY, id=BUGGY)]
 
@@ -87,7 +87,9 @@ def test_a_full_and_window_hits_at_queue_head(variant):
     [-,-,7,8,10,9,11]; the per-group loop puts blocks 7 and 8 in both groups."""
     mgr, b = scenario_a(variant)
     check_regression(
-        variant, mgr, b,
+        variant,
+        mgr,
+        b,
         expected_tables=([1, 2, 3, 4, 6, 5, 12], [NULL, NULL, 7, 8, 10, 9, 11]),
         expected_dups=[7, 8],
     )
@@ -118,7 +120,9 @@ def test_b_full_and_two_windows(variant):
     (groups 0 and 1) and block 12 (groups 1 and 2)."""
     mgr, b = scenario_b(variant)
     check_regression(
-        variant, mgr, b,
+        variant,
+        mgr,
+        b,
         expected_tables=(
             [1, 2, 3, 4, 7, 6, 5, 15],
             [NULL, NULL, NULL, 8, 11, 10, 9, 18],
@@ -160,7 +164,9 @@ def test_c_realloc_two_groups(variant):
     per-group loop lets group 0 pop block 10, group 1's hit."""
     mgr, b = scenario_c(variant, [FullAttention(4), SlidingWindow(4, 8)], 20)
     check_regression(
-        variant, mgr, b,
+        variant,
+        mgr,
+        b,
         expected_tables=([1, 2, 3, 4, 5, 9, 7], [NULL, NULL, NULL, NULL, 10, 8, 6]),
         expected_dups=[10],
     )
@@ -172,7 +178,9 @@ def test_c_realloc_three_groups(variant):
     pop block 8, group 1's hit."""
     mgr, b = scenario_c(variant, [FullAttention(4), SlidingWindow(4, 8), SlidingWindow(4, 8)], 16)
     check_regression(
-        variant, mgr, b,
+        variant,
+        mgr,
+        b,
         expected_tables=([1, 2, 3, 4, 7, 11], [NULL, NULL, NULL, 8, 6, 10], [NULL, NULL, NULL, 12, 5, 9]),
         expected_dups=[8],
     )
@@ -211,27 +219,39 @@ def engine_scenario(variant, groups, num_blocks, first_prompts, b_prompt, publis
 A16 = list(range(16))
 ENGINE_CASES = {
     "a": {
-        "groups": [FullAttention(4), SlidingWindow(4, 16)], "num_blocks": 17,
+        "groups": [FullAttention(4), SlidingWindow(4, 16)],
+        "num_blocks": 17,
         "first_prompts": [A16, list(range(100, 108)), list(range(300, 308))],
-        "b_prompt": A16 + list(range(200, 212)), "publish_tokens": 24,
+        "b_prompt": A16 + list(range(200, 212)),
+        "publish_tokens": 24,
         "tables": ([1, 2, 3, 4, 6, 5, 12], [NULL, NULL, 7, 8, 10, 9, 11]),
     },
     "b": {
-        "groups": [FullAttention(4), SlidingWindow(4, 16), SlidingWindow(4, 16)], "num_blocks": 28,
+        "groups": [FullAttention(4), SlidingWindow(4, 16), SlidingWindow(4, 16)],
+        "num_blocks": 28,
         "first_prompts": [A16, list(range(100, 108)), list(range(300, 312))],
-        "b_prompt": A16 + list(range(200, 216)), "publish_tokens": 28,
-        "tables": ([1, 2, 3, 4, 7, 6, 5, 15], [NULL, NULL, NULL, 8, 11, 10, 9, 18], [NULL, NULL, NULL, 12, 14, 13, 16, 17]),
+        "b_prompt": A16 + list(range(200, 216)),
+        "publish_tokens": 28,
+        "tables": (
+            [1, 2, 3, 4, 7, 6, 5, 15],
+            [NULL, NULL, NULL, 8, 11, 10, 9, 18],
+            [NULL, NULL, NULL, 12, 14, 13, 16, 17],
+        ),
     },
     "c2": {
-        "groups": [FullAttention(4), SlidingWindow(4, 8)], "num_blocks": 15,
+        "groups": [FullAttention(4), SlidingWindow(4, 8)],
+        "num_blocks": 15,
         "first_prompts": [list(range(20)), list(range(100, 108))],
-        "b_prompt": list(range(20)) + list(range(200, 205)), "publish_tokens": 24,
+        "b_prompt": list(range(20)) + list(range(200, 205)),
+        "publish_tokens": 24,
         "tables": ([1, 2, 3, 4, 5, 9, 7], [NULL, NULL, NULL, NULL, 10, 8, 6]),
     },
     "c3": {
-        "groups": [FullAttention(4), SlidingWindow(4, 8), SlidingWindow(4, 8)], "num_blocks": 19,
+        "groups": [FullAttention(4), SlidingWindow(4, 8), SlidingWindow(4, 8)],
+        "num_blocks": 19,
         "first_prompts": [A16, list(range(100, 108))],
-        "b_prompt": A16 + list(range(200, 205)), "publish_tokens": 20,
+        "b_prompt": A16 + list(range(200, 205)),
+        "publish_tokens": 20,
         "tables": ([1, 2, 3, 4, 7, 11], [NULL, NULL, NULL, 8, 6, 10], [NULL, NULL, NULL, 12, 5, 9]),
     },
 }

@@ -36,14 +36,18 @@ def redis_url():
 
 
 def test_a_walk_find_is_shared_with_the_next_machine(redis_url, tmp_path):
-    from kvprop.shared_store import TraceStore
+    from kvprop.search.store import TraceStore
 
-    first = kvprop_fuzz(tmp_path, tmp_path / "a", f"--variant {BUG} --seed 0 --max-runs 3000 --seconds 600 --redis {redis_url}")
+    first = kvprop_fuzz(
+        tmp_path, tmp_path / "a", f"--variant {BUG} --seed 0 --max-runs 3000 --seconds 600 --redis {redis_url}"
+    )
     assert first.returncode == 1, first.stdout + first.stderr
     store = TraceStore(redis_url, None, BUG)
     assert len(store) == 1
     # Another machine, with a budget too small to find anything itself, learns of it at once.
-    second = kvprop_fuzz(tmp_path, tmp_path / "b", f"--variant {BUG} --seed 424242 --max-runs 1 --seconds 60 --redis {redis_url}")
+    second = kvprop_fuzz(
+        tmp_path, tmp_path / "b", f"--variant {BUG} --seed 424242 --max-runs 1 --seconds 60 --redis {redis_url}"
+    )
     assert second.returncode == 1, second.stdout + second.stderr
     assert "shared store" in second.stdout
     assert len(list((tmp_path / "b").glob("*.json"))) == 1
@@ -52,7 +56,9 @@ def test_a_walk_find_is_shared_with_the_next_machine(redis_url, tmp_path):
 def test_the_hypothesis_engine_saves_examples_to_redis(redis_url, tmp_path):
     import redis
 
-    args = f"--engine hypothesis --variant swa-skip-off-by-one --seed 0 --max-runs 1000 --seconds 300 --redis {redis_url}"
+    args = (
+        f"--engine hypothesis --variant swa-skip-off-by-one --seed 0 --max-runs 1000 --seconds 300 --redis {redis_url}"
+    )
     r = kvprop_fuzz(tmp_path, tmp_path / "h", args)
     assert r.returncode == 1, r.stdout + r.stderr
     keys = redis.Redis.from_url(redis_url).keys(b"kvprop-hypothesis:*")

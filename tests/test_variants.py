@@ -7,11 +7,11 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvprop import profiles
-from kvprop.machine import failure_trace, machine_for, trace_length
-from kvprop.minimise import minimise
-from kvprop.trace import execute
-from kvprop.variants import VARIANTS
+from kvprop.repro.minimise import minimise
+from kvprop.search import profiles
+from kvprop.search.execute import execute
+from kvprop.search.machine import failure_trace, machine_for, trace_length
+from kvprop.targets.variants import VARIANTS
 
 BUDGET = 1000  # examples under the ci profile; each variant is found well inside it (see the README)
 MAX_SHRUNK = {"interleaved-external-alloc": 8}

@@ -25,17 +25,18 @@ from hypothesis import Phase, settings  # noqa: E402
 from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
 from packaging.version import Version  # noqa: E402
 
-from kvprop import invariants as inv  # noqa: E402
-from kvprop import profiles  # noqa: E402
-from kvprop import trace as tr  # noqa: E402
+from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow  # noqa: E402
+from kvprop.check import invariants as inv  # noqa: E402
 from kvprop.errors import Violation  # noqa: E402
-from kvprop.machine import failure_trace, machine_for  # noqa: E402
-from kvprop.minimise import minimise  # noqa: E402
-from kvprop.request import Request  # noqa: E402
-from kvprop.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow  # noqa: E402
-from kvprop.targets import make_engine  # noqa: E402
+from kvprop.repro.minimise import minimise  # noqa: E402
+from kvprop.search import profiles  # noqa: E402
+from kvprop.search import trace as tr  # noqa: E402
+from kvprop.search.execute import execute  # noqa: E402
+from kvprop.search.machine import failure_trace, machine_for  # noqa: E402
+from kvprop.search.walk import run_walk  # noqa: E402
+from kvprop.sim.request import Request  # noqa: E402
+from kvprop.targets import build_engine  # noqa: E402
 from kvprop.targets.vllm import make_target  # noqa: E402
-from kvprop.walk import run_walk  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -58,8 +59,11 @@ def prefill(allocator, request, num_external=0):
     """Admit ``request`` the way the scheduler does: local hit, external tokens, the rest."""
     hits, num_hit = allocator.get_computed_blocks(request)
     result = allocator.allocate_slots(
-        request, request.num_tokens - num_hit - num_external, num_new_computed_tokens=num_hit,
-        new_computed_blocks=hits, num_external_computed_tokens=num_external,
+        request,
+        request.num_tokens - num_hit - num_external,
+        num_new_computed_tokens=num_hit,
+        new_computed_blocks=hits,
+        num_external_computed_tokens=num_external,
     )
     assert result is not None
     request.num_computed_tokens = request.num_tokens
@@ -89,8 +93,12 @@ def test_motivating_scenario_block_ids_per_release():
     b = req("B", list(range(16)) + list(range(2000, 2012)), 4)
     hits, num_hit = allocator.get_computed_blocks(b)
     assert num_hit == 16 and hit_ids(hits) == ([1, 2, 3, 4], [5, 6, 7, 8])
-    assert allocator.allocate_slots(b, 4, num_new_computed_tokens=num_hit, new_computed_blocks=hits,
-                                    num_external_computed_tokens=8) is not None
+    assert (
+        allocator.allocate_slots(
+            b, 4, num_new_computed_tokens=num_hit, new_computed_blocks=hits, num_external_computed_tokens=8
+        )
+        is not None
+    )
     tables = inv.gather_tables(view)
     if FIXED:
         assert allocator.get_block_ids("B") == ([1, 2, 3, 4, 6, 5, 12], [NULL, NULL, 7, 8, 10, 9, 11])
@@ -147,12 +155,13 @@ def test_decode_grows_the_vllm_request_and_names_its_new_hashes():
 
 def test_engine_on_vllm_runs_to_completion_with_every_check():
     """A small workload through kvprop's engine (scheduler, sync connector, checks) drains clean."""
-    from kvprop.checker import Checker, drain
+    from kvprop.check.checker import Checker, drain
 
     checker = Checker()
-    config = EngineConfig(AllocatorConfig((FullAttention(4), SlidingWindow(4, 8)), 24), token_budget=8,
-                          connector="sync")
-    engine = make_engine(config, target="vllm", hooks=checker)
+    config = EngineConfig(
+        AllocatorConfig((FullAttention(4), SlidingWindow(4, 8)), 24), token_budget=8, connector="sync"
+    )
+    engine = build_engine(config, target="vllm", hooks=checker)
     for prompt in (range(10), list(range(8)) + [9, 9, 9], range(5)):
         engine.add_request(list(prompt), 3)
     drain(engine, checker)
@@ -193,7 +202,7 @@ def test_state_machine_finds_the_bug_from_scratch():
         run_state_machine_as_test(machine, settings=ci_settings(max_examples=5000, phases=[Phase.generate]))
     # What Hypothesis found is a plain kvprop trace: it replays without Hypothesis.
     trace = failure_trace(machine)
-    failure = tr.execute(trace, target="vllm")
+    failure = execute(trace, target="vllm")
     assert failure is not None and failure.kind == BUG_KIND
 
 
@@ -211,10 +220,19 @@ def test_state_machine_is_clean_on_the_fixed_release():
 # operations; the duplicate block appears in the final drain, when the sync connector
 # offers blocks it offloaded earlier as external tokens).
 MINIMISED_ON_0_23 = {
-    "format": "kvprop-trace/1", "engine": "walk", "seed": 150, "variant": None, "target": "vllm",
+    "format": "kvprop-trace/1",
+    "engine": "walk",
+    "seed": 150,
+    "variant": None,
+    "target": "vllm",
     "config": {
         "groups": [{"kind": "full", "block_size": 4}, {"kind": "full", "block_size": 4}],
-        "num_blocks": 31, "enable_caching": True, "token_budget": 1, "lookahead": 0, "connector": "sync", "vocab": 4,
+        "num_blocks": 31,
+        "enable_caching": True,
+        "token_budget": 1,
+        "lookahead": 0,
+        "connector": "sync",
+        "vocab": 4,
     },
     "steps": [
         {"op": "AddLargeRequest", "parent": 0, "seed": 0},
@@ -223,7 +241,8 @@ MINIMISED_ON_0_23 = {
         {"op": "AddRequest", "parent": 0, "cut": 0, "extra": 1, "seed": 0, "max_new_tokens": 1},
         {"op": "AddRequest", "parent": 3, "cut": 1, "extra": 1, "seed": 0, "max_new_tokens": 1},
     ],
-    "drain": True, "failure": None,
+    "drain": True,
+    "failure": None,
 }
 WALK_SEEDS = 2000
 
@@ -232,7 +251,7 @@ def test_recorded_counterexample_replays_per_release():
     """The minimised 0.23.0 counterexample fails the same way on a buggy release and passes
     on a fixed one: a regression test for the upstream fix."""
     trace = tr.from_dict(json.loads(json.dumps(MINIMISED_ON_0_23)))
-    failure = tr.execute(trace, target="vllm")
+    failure = execute(trace, target="vllm")
     if FIXED:
         assert failure is None
     else:
@@ -257,7 +276,7 @@ def test_walker_finds_shrinks_and_replays_the_bug():
     assert best.failure.kind == BUG_KIND and len(best.steps) < len(result.trace.steps)
     # Durable: it survives the JSON round trip and replays without Hypothesis.
     replayed = tr.from_dict(json.loads(json.dumps(tr.to_dict(best))))
-    failure = tr.execute(replayed, target="vllm")
+    failure = execute(replayed, target="vllm")
     assert failure is not None and failure.kind == BUG_KIND and failure.step == best.failure.step
 
 

@@ -3,8 +3,11 @@
 A target is named ``kvprop`` (the default: kvprop's own allocator, or one of its bug
 variants), ``vllm`` (vLLM's own ``KVCacheManager``) or ``package.module:factory`` — any
 callable ``factory(config: AllocatorConfig) -> (allocator, view)``. The allocator answers
-the manager-facade calls of ``kvprop.kv_cache_manager.KVCacheManager``; the view answers
-the calls of ``kvprop.view.AllocatorView``. ``docs/targets.md`` documents both.
+the manager-facade calls of ``kvprop.allocator.manager.KVCacheManager``; the view answers
+the calls of ``kvprop.allocator.view.AllocatorView``. ``docs/targets.md`` documents both.
+
+Bug variants are a target concern (``variants``), not part of the allocator. This layer
+may import allocator, sim and check.
 """
 
 from __future__ import annotations
@@ -13,10 +16,8 @@ import importlib
 import os
 import sys
 
-from kvprop.engine import Engine
 from kvprop.errors import ConfigError
-from kvprop.variants import CORRECT
-from kvprop.variants import make_engine as make_variant_engine
+from kvprop.sim.engine import Engine
 
 BUILTIN = {"vllm": "kvprop.targets.vllm:make_target"}
 
@@ -38,10 +39,13 @@ def load_factory(target: str):
         raise ConfigError(f"target {target!r}: module {module_name!r} has no attribute {attr!r}") from None
 
 
-def make_engine(config, variant=None, target=None, device=None, hooks=None) -> Engine:
+def build_engine(config, variant=None, target=None, device=None, hooks=None) -> Engine:
+    """The engine over ``target``'s allocator (kvprop's own, with ``variant``, by default)."""
     if target in (None, "kvprop"):
-        return make_variant_engine(config, variant, device=device, hooks=hooks)
-    if variant not in (None, CORRECT.name):
+        from kvprop.targets.kvprop import build_kvprop_engine
+
+        return build_kvprop_engine(config, variant, device=device, hooks=hooks)
+    if variant not in (None, "correct"):
         raise ConfigError(f"variant {variant!r} applies to the kvprop target only, not to target {target!r}")
     allocator, view = load_factory(target)(config.allocator)
     engine_cls = getattr(allocator, "engine_class", Engine)

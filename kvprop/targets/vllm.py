@@ -26,8 +26,8 @@ import os
 import warnings
 from types import SimpleNamespace
 
+from kvprop.allocator.specs import AllocatorConfig, ChunkedLocal, FullAttention, SlidingWindow
 from kvprop.errors import ConfigError
-from kvprop.specs import AllocatorConfig, ChunkedLocal, FullAttention, SlidingWindow
 
 INSTALL_HINT = (
     "build a CPU-only vLLM environment with `make vllm-env VLLM_VERSION=0.24.0` "
@@ -269,7 +269,7 @@ class VllmAllocator:
 
 
 class VllmView:
-    """vLLM's allocator state in kvprop's terms (``kvprop.view.AllocatorView``'s calls).
+    """vLLM's allocator state in kvprop's terms (``kvprop.allocator.view.AllocatorView``'s calls).
 
     Reads only; every dict is read with ``.get`` so that no defaultdict grows an entry.
     vLLM's per-group ``req_to_blocks`` is a defaultdict that gains an empty list when a

@@ -2,8 +2,8 @@
 
 Each worker runs one engine — the seeded walker (fast) or the Hypothesis state machine
 (its heuristics, saving to the example database) — over disjoint seeds. The parent prints
-a status line at least every 2 s; on a failure it stops the workers, minimises, prints
-the steps and writes a trace file and a pytest regression test.
+a status line at least every 2 s; on a failure it stops the workers and returns the find
+(the caller minimises and writes it, see ``kvprop.repro``).
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from pathlib import Path
 
 import attrs
 
-from kvprop import regress
-from kvprop import trace as tr
-from kvprop.engine import EVENTS
-from kvprop.minimise import minimise
-from kvprop.trace import Trace, execute
+from kvprop.search import trace as tr
+from kvprop.search.execute import execute
+from kvprop.search.trace import Trace
+from kvprop.sim.engine import EVENTS
 
 ENGINES = ("walk", "hypothesis")
 REPORT_EVERY = 0.5
@@ -39,7 +38,6 @@ class FuzzOptions:
     device: str | None = None
     out: Path = Path("counterexamples")
     max_ops: int = 200
-    minimise: bool = True
     max_runs: int | None = None  # a deterministic budget: stop after this many runs (walk) / examples
     redis: str | None = None  # share failures with other machines through this Redis URL
 
@@ -47,7 +45,6 @@ class FuzzOptions:
 @attrs.frozen
 class FuzzResult:
     found: Trace | None
-    minimised: Trace | None
     runs: int
     steps: int
     seconds: float
@@ -60,7 +57,7 @@ class FuzzResult:
 
 
 def _walk_worker(index: int, opts: FuzzOptions, out, stop) -> None:
-    from kvprop.walk import run_walk
+    from kvprop.search.walk import run_walk
 
     seed, runs, steps, events, last = opts.seed + index, 0, 0, set(), time.monotonic()
     total = 0
@@ -85,14 +82,14 @@ def _hypothesis_worker(index: int, opts: FuzzOptions, out, stop) -> None:
     from hypothesis import settings
     from hypothesis.stateful import run_state_machine_as_test
 
-    from kvprop import profiles
-    from kvprop.machine import failure_trace, machine_for
+    from kvprop.search import profiles
+    from kvprop.search.machine import failure_trace, machine_for
 
     profiles.load("fuzz")
     machine = machine_for(opts.variant, opts.target, opts.device)
     chunk = settings(settings.default, max_examples=200)  # Hypothesis starts each run simple: keep runs long
     if opts.redis:
-        from kvprop.shared_store import hypothesis_database
+        from kvprop.search.store import hypothesis_database
 
         chunk = settings(chunk, database=hypothesis_database(opts.redis))
     s = opts.seed + index
@@ -151,7 +148,7 @@ def search(opts: FuzzOptions, status=None) -> FuzzResult:
     for the other machines, and a find pushed by another machine ends this search too."""
     store = None
     if opts.redis:
-        from kvprop.shared_store import TraceStore
+        from kvprop.search.store import TraceStore
 
         store = TraceStore(opts.redis, opts.target, opts.variant)
         known = _from_store(opts, store, status)
@@ -206,14 +203,10 @@ def search(opts: FuzzOptions, status=None) -> FuzzResult:
     elapsed = time.monotonic() - start
     if status:
         status(tally.status_line(elapsed))
-    minimised = None
-    if found is not None and opts.minimise and not shared:
-        minimised = minimise(found, variant=opts.variant, target=opts.target, device=opts.device)
-        if store is not None:
-            store.push(minimised)
+    if found is not None and store is not None and not shared:
+        store.push(found)
     return FuzzResult(
         found,
-        minimised or (found if shared else None),
         tally.runs,
         tally.steps,
         elapsed,
@@ -250,17 +243,6 @@ class _Tally:
             f"[{elapsed:7.1f}s] runs {self.runs:,} | steps {self.steps:,} | {rate:,.0f} steps/s | "
             f"failures {int(self.found is not None)} | events {len(self.events & set(EVENTS))}/{len(EVENTS)}"
         )
-
-
-def write_counterexample(trace: Trace, out: Path) -> tuple[Path, Path]:
-    """The trace file and its generated regression test, named after the violation."""
-    out.mkdir(parents=True, exist_ok=True)
-    name = regress.test_name(trace)
-    trace_path = out / f"{name}.json"
-    test_path = out / f"test_{name}.py"
-    tr.save(trace, trace_path)
-    test_path.write_text(regress.render(trace, source=trace_path.name))
-    return trace_path, test_path
 
 
 def default_workers() -> int:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from kvprop.allocator.hashing import fingerprint
+from kvprop.allocator.specs import SlidingWindow, cdiv
 from kvprop.errors import Violation
-from kvprop.hashing import fingerprint
-from kvprop.paged_memory import UNWRITTEN
-from kvprop.request import Status
-from kvprop.specs import SlidingWindow, cdiv
+from kvprop.sim.memory import UNWRITTEN
+from kvprop.sim.request import Status
 
 
 def gather_tables(view) -> dict[tuple[str, int], list[int]]:

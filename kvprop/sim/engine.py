@@ -4,7 +4,7 @@ One ``step`` schedules running requests first (decode or the next prefill chunk)
 preempting the lowest-priority running request when slots run out, then admits waiting
 requests under the token budget, then "executes": writes every computed position's
 fingerprint into paged memory, checking at each write that the block is the writer's own.
-Reading the data back is the checker's job (``kvprop.invariants``), as is everything else
+Reading the data back is the checker's job (``kvprop.check.invariants``), as is everything else
 that judges the allocator; the engine only offers hooks where it hands blocks over.
 """
 
@@ -14,12 +14,12 @@ from collections import Counter, deque
 
 import attrs
 
-from kvprop.connector import Connector
+from kvprop.allocator.hashing import fingerprint
+from kvprop.allocator.specs import EngineConfig, cdiv
 from kvprop.errors import RequestError, Violation
-from kvprop.hashing import fingerprint
-from kvprop.paged_memory import PagedMemory
-from kvprop.request import Request, Status
-from kvprop.specs import EngineConfig, cdiv
+from kvprop.sim.connector import Connector
+from kvprop.sim.memory import PagedMemory
+from kvprop.sim.request import Request, Status
 
 EVENTS = (
     "cross-group hit + external tokens, hit block at free-queue head",

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import attrs
 
-from kvprop.block_pool import BlockPool
-from kvprop.coordinator import HybridCoordinator, KVCacheCoordinator, UnitaryCoordinator
+from kvprop.allocator.block_pool import BlockPool
+from kvprop.allocator.coordinator import HybridCoordinator, KVCacheCoordinator, UnitaryCoordinator
+from kvprop.allocator.managers import MANAGER_FOR_SPEC
+from kvprop.allocator.specs import AllocatorConfig
 from kvprop.errors import RequestError
-from kvprop.managers import MANAGER_FOR_SPEC
-from kvprop.specs import AllocatorConfig
 
 
 @attrs.frozen

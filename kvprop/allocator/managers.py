@@ -6,8 +6,8 @@ in what counts as a cache hit; allocation, caching and freeing are shared.
 
 from __future__ import annotations
 
-from kvprop.block_pool import Block, BlockPool
-from kvprop.specs import ChunkedLocal, FullAttention, SlidingWindow, cdiv
+from kvprop.allocator.block_pool import Block, BlockPool
+from kvprop.allocator.specs import ChunkedLocal, FullAttention, SlidingWindow, cdiv
 
 
 class SingleTypeManager:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from kvprop.errors import ConfigError
-from kvprop.trace import Trace, from_dict, to_dict
+from kvprop.search.trace import Trace, from_dict, to_dict
 
 
 def _client(url: str):

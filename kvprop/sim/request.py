@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from kvprop.hashing import ROOT_HASH, hash_block, prefix_hash
+from kvprop.allocator.hashing import ROOT_HASH, hash_block, prefix_hash
 
 
 class Status(enum.Enum):

@@ -9,10 +9,10 @@ changed, checks are incremental (see ``incremental``) with a full sweep every
 
 from __future__ import annotations
 
-from kvprop import invariants as inv
-from kvprop.engine import Hooks
+from kvprop.check import invariants as inv
+from kvprop.check.mirror import Mirror
 from kvprop.errors import Violation
-from kvprop.incremental import Mirror
+from kvprop.sim.engine import Hooks
 
 
 class IdTables:

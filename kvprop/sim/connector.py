@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import attrs
 
+from kvprop.allocator.hashing import ROOT_HASH, chain_hashes, fingerprint, prefix_hash
 from kvprop.errors import Violation
-from kvprop.hashing import ROOT_HASH, chain_hashes, fingerprint, prefix_hash
-from kvprop.paged_memory import PagedMemory
+from kvprop.sim.memory import PagedMemory
 
 
 @attrs.define

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import attrs
 
+from kvprop.allocator.specs import AllocatorConfig, FullAttention
 from kvprop.errors import ConfigError
-from kvprop.operations import PROMPT_PRODUCERS, AddLargeRequest, AddRequest
-from kvprop.specs import AllocatorConfig, FullAttention
-from kvprop.trace import Failure, Trace, execute
+from kvprop.search.alphabet import PROMPT_PRODUCERS, AddLargeRequest, AddRequest
+from kvprop.search.execute import execute
+from kvprop.search.trace import Failure, Trace
 
 
 class Minimiser:

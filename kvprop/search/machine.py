@@ -11,8 +11,9 @@ from hypothesis import event, reject
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from kvprop import operations as ops
 from kvprop.errors import ConfigError
+from kvprop.search import alphabet as ops
+from kvprop.search.harness import Harness
 
 
 class HypothesisChooser:
@@ -48,7 +49,7 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.harness: ops.Harness | None = None
+        self.harness: Harness | None = None
         self.steps: list = []
         self.failed = False
         self.reported: set = set()
@@ -57,7 +58,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def configure(self, config):
         type(self).counters["examples"] += 1
         try:
-            self.harness = ops.Harness(
+            self.harness = Harness(
                 config, variant=self.variant, target=self.target, device=self.device, checks=self.checks
             )
         except ConfigError:
@@ -140,7 +141,7 @@ def machine_for(
     variant: str | None = None, target: str | None = None, device: str | None = None, checks: bool = True
 ) -> type:
     """A machine class bound to one allocator, with its own event and failure records."""
-    from kvprop.variants import get_variant
+    from kvprop.targets.variants import get_variant
 
     get_variant(variant)
     name = f"KVCacheMachine_{(variant or target or 'correct').replace('-', '_').replace(':', '_').replace('.', '_')}"
@@ -161,7 +162,7 @@ def machine_for(
 
 def failure_trace(machine: type):
     """The machine's last failing example as a kvprop trace (replayable, minimisable)."""
-    from kvprop.trace import Failure, Trace, failure_kind
+    from kvprop.search.trace import Failure, Trace, failure_kind
 
     config, steps, error, at_drain = machine.failures[-1]
     return Trace(

@@ -13,8 +13,9 @@ import random
 import attrs
 
 from kvprop.errors import ConfigError
-from kvprop.operations import OPERATIONS, AddRequest, RandomChooser, Step, sample_config
-from kvprop.trace import Failure, Trace, execute
+from kvprop.search.alphabet import OPERATIONS, AddRequest, RandomChooser, Step, sample_config
+from kvprop.search.execute import execute
+from kvprop.search.trace import Failure, Trace
 
 WEIGHT_CHOICES = (0, 1, 2, 4)
 

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import attrs
 
-from kvprop.block_pool import BlockPool
-from kvprop.coordinator import HybridCoordinator, UnitaryCoordinator
-from kvprop.engine import Engine
+from kvprop.allocator.block_pool import BlockPool
+from kvprop.allocator.coordinator import HybridCoordinator, UnitaryCoordinator
+from kvprop.allocator.manager import KVCacheManager, Parts
+from kvprop.allocator.managers import MANAGER_FOR_SPEC, SingleTypeManager, SlidingWindowManager
+from kvprop.allocator.specs import SlidingWindow
 from kvprop.errors import ConfigError
-from kvprop.kv_cache_manager import KVCacheManager, Parts
-from kvprop.managers import MANAGER_FOR_SPEC, SingleTypeManager, SlidingWindowManager
-from kvprop.request import Status
-from kvprop.specs import EngineConfig, SlidingWindow
-from kvprop.view import AllocatorView
+from kvprop.sim.engine import Engine
+from kvprop.sim.request import Status
 
 
 class InterleavedExternalAlloc:
@@ -180,14 +179,3 @@ def get_variant(name: str | None) -> Variant:
     except KeyError:
         known = ", ".join([CORRECT.name, *VARIANTS])
         raise ConfigError(f"unknown variant {name!r}; known variants: {known}") from None
-
-
-def make_allocator(config, variant: str | None = None) -> KVCacheManager:
-    v = get_variant(variant)
-    return v.allocator(config, v.parts)
-
-
-def make_engine(config: EngineConfig, variant: str | None = None, device: str | None = None, hooks=None) -> Engine:
-    v = get_variant(variant)
-    allocator = v.allocator(config.allocator, v.parts)
-    return v.engine(config, allocator, AllocatorView(allocator), device=device, hooks=hooks)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kvprop import invariants as inv
+from kvprop.check import invariants as inv
 from kvprop.errors import Violation
 
 

@@ -7,9 +7,9 @@ group's pops can evict a block another group is about to claim as a hit.
 
 from __future__ import annotations
 
-from kvprop.block_pool import Block, BlockPool
-from kvprop.managers import MANAGER_FOR_SPEC, SingleTypeManager
-from kvprop.specs import AllocatorConfig
+from kvprop.allocator.block_pool import Block, BlockPool
+from kvprop.allocator.managers import MANAGER_FOR_SPEC, SingleTypeManager
+from kvprop.allocator.specs import AllocatorConfig
 
 
 class KVCacheCoordinator:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from kvprop import __version__
-from kvprop.trace import Trace
+from kvprop.search.trace import Trace
 
 TEMPLATE = '''"""kvprop regression test: {kind}.
 
@@ -21,9 +21,10 @@ Replays against variant/target {where}; override with KVPROP_VARIANT or KVPROP_T
 
 import os
 
-from kvprop.operations import {op_names}
-from kvprop.specs import AllocatorConfig, ChunkedLocal, EngineConfig, FullAttention, SlidingWindow
-from kvprop.trace import Trace, execute
+from kvprop.search.alphabet import {op_names}
+from kvprop.allocator.specs import AllocatorConfig, ChunkedLocal, EngineConfig, FullAttention, SlidingWindow
+from kvprop.search.execute import execute
+from kvprop.search.trace import Trace
 
 CONFIG = {config!r}
 

@@ -2,20 +2,21 @@
 
 The state machine (CI, shrinking) and the seeded walker (long fuzzing) both draw a
 configuration with ``sample_config`` and apply these operations to a ``Harness``; a trace
-is a configuration plus a list of operations. Arguments are small integers — indices and
+is a configuration plus a list of operations. This module imports neither torch nor the
+engine, so reading a trace file needs only it and the specs. Arguments are small integers — indices and
 seeds, never big data — so that both shrinkers can reduce them toward zero.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import attrs
 
-from kvprop.checker import Checker, drain
-from kvprop.errors import RequestError
-from kvprop.specs import AllocatorConfig, ChunkedLocal, EngineConfig, FullAttention, SlidingWindow
-from kvprop.targets import make_engine
+from kvprop.allocator.specs import AllocatorConfig, ChunkedLocal, EngineConfig, FullAttention, SlidingWindow
+
+if TYPE_CHECKING:
+    from kvprop.search.harness import Harness
 
 # ---- configuration sampler --------------------------------------------------------------
 
@@ -62,7 +63,7 @@ def sample_config(choose) -> EngineConfig:
 # ---- operations -------------------------------------------------------------------------
 
 
-def _fresh_tokens(seed: int, n: int, vocab: int) -> list[int]:
+def fresh_tokens(seed: int, n: int, vocab: int) -> list[int]:
     state = seed * 2654435761 + 12345
     out = []
     for _ in range(n):
@@ -104,7 +105,7 @@ class AddLargeRequest:
             h.prompts.append([])
             return "no request fits this pool"
         base = h.derive_tokens(self.parent, 0, 0, self.seed)[: total - 1]
-        prompt = base + _fresh_tokens(self.seed, total - 1 - len(base), cfg.vocab)
+        prompt = base + fresh_tokens(self.seed, total - 1 - len(base), cfg.vocab)
         return h.add_request(prompt[: total - 1], 1)
 
 
@@ -236,47 +237,3 @@ class ResetPrefixCache:
 PROMPT_PRODUCERS = (AddRequest, AddLargeRequest, PublishPrefix)  # each adds exactly one prompt to the history
 OPERATIONS = (AddRequest, AddLargeRequest, Step, PublishPrefix, FinishLoad, Preempt, Abort, Finish, ResetPrefixCache)
 OPERATION_BY_NAME = {op.__name__: op for op in OPERATIONS}
-
-
-# ---- the harness both drivers apply operations to ---------------------------------------
-
-
-class Harness:
-    """An engine, its checker and the prompts seen so far; ``apply`` checks every invariant."""
-
-    def __init__(
-        self,
-        config: EngineConfig,
-        variant: str | None = None,
-        device: str | None = None,
-        checks: bool = True,
-        target=None,
-    ):
-        self.config = config
-        self.checker = Checker(enabled=checks)
-        self.engine = make_engine(config, variant=variant, target=target, device=device, hooks=self.checker)
-        self.prompts: list[list[int]] = []
-
-    def derive_tokens(self, parent: int, cut: int, extra: int, seed: int) -> list[int]:
-        """The ``parent``-th most recent prompt less its last ``cut`` tokens, then ``extra`` fresh
-        ones: counting from the most recent makes chains of shared prefixes (A, A+x, A+x+y) common,
-        and ``cut=0`` (what shrinking tends to) shares the whole parent."""
-        source = self.prompts[-1 - parent % len(self.prompts)] if self.prompts else []
-        base = source[: max(0, len(source) - cut)]
-        return base + _fresh_tokens(seed + 31 * len(base), extra, self.config.vocab)
-
-    def add_request(self, prompt: list[int], max_new_tokens: int) -> str:
-        self.prompts.append(prompt)  # even if rejected: every producing operation adds one prompt
-        try:
-            request = self.engine.add_request(prompt, max_new_tokens)
-        except RequestError as e:
-            return f"rejected: {e}"
-        return f"{request.request_id} = {show_tokens(prompt)} (+{max_new_tokens} new)"
-
-    def apply(self, op) -> str:
-        outcome = op.apply(self)
-        self.checker.check_all(self.engine)
-        return outcome
-
-    def drain(self) -> int:
-        return drain(self.engine, self.checker)

@@ -12,9 +12,9 @@ from pathlib import Path
 import attrs
 
 from kvprop import __version__
+from kvprop.allocator.specs import AllocatorConfig, ChunkedLocal, EngineConfig, FullAttention, SlidingWindow
 from kvprop.errors import KvpropError, Violation
-from kvprop.operations import OPERATION_BY_NAME, Harness
-from kvprop.specs import AllocatorConfig, ChunkedLocal, EngineConfig, FullAttention, SlidingWindow
+from kvprop.search.alphabet import OPERATION_BY_NAME
 
 FORMAT = "kvprop-trace/1"
 
@@ -52,44 +52,6 @@ class Trace:
 
     def with_steps(self, steps) -> Trace:
         return attrs.evolve(self, steps=tuple(steps))
-
-
-def execute(
-    trace: Trace,
-    variant: str | None = None,
-    target: str | None = None,
-    device: str | None = None,
-    on_step=None,
-    checks: bool = True,
-    events: set | None = None,
-) -> Failure | None:
-    """Replay ``trace`` step by step without Hypothesis; the first exception is the failure.
-
-    ``events``, when given, collects the names of the engine events the replay reached."""
-    harness = Harness(trace.config, variant=variant, target=target, device=device, checks=checks)
-    try:
-        return _run(harness, trace, on_step)
-    finally:
-        if events is not None:
-            events.update(harness.engine.events)
-
-
-def _run(harness, trace, on_step) -> Failure | None:
-    for i, op in enumerate(trace.steps):
-        try:
-            outcome = harness.apply(op)
-        except Exception as e:  # noqa: BLE001 - any exception from the allocator is a finding
-            return Failure(i, failure_kind(e), str(e))
-        if on_step is not None:
-            on_step(i, op, outcome)
-    if trace.drain:
-        try:
-            steps = harness.drain()
-        except Exception as e:  # noqa: BLE001
-            return Failure(len(trace.steps), failure_kind(e), str(e))
-        if on_step is not None:
-            on_step(len(trace.steps), "drain", f"drained in {steps} engine steps")
-    return None
 
 
 # ---- JSON ---------------------------------------------------------------------------------

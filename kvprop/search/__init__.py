@@ -1,0 +1,8 @@
+"""Search: the operation alphabet and configuration sampler, the harness, the trace format,
+the two drivers (the Hypothesis state machine and the seeded walker), fuzz orchestration,
+Hypothesis profiles and the shared Redis store.
+
+Both drivers apply the same operations to the same harness, so a trace found by either
+replays on both. ``alphabet`` and ``trace`` import neither torch nor the engine. It may
+import every layer below it: allocator, sim, check, targets.
+"""

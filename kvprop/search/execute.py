@@ -1,0 +1,49 @@
+"""Executing a trace: the configuration, then each operation on a fresh harness, then the drain.
+
+The walker executes the traces it plans, the minimiser its candidates, ``kvprop replay`` a
+file. Kept apart from the trace format (``kvprop.search.trace``) so that reading and
+validating a trace loads neither torch nor the engine.
+"""
+
+from __future__ import annotations
+
+from kvprop.search.harness import Harness
+from kvprop.search.trace import Failure, Trace, failure_kind
+
+
+def execute(
+    trace: Trace,
+    variant: str | None = None,
+    target: str | None = None,
+    device: str | None = None,
+    on_step=None,
+    checks: bool = True,
+    events: set | None = None,
+) -> Failure | None:
+    """Replay ``trace`` step by step without Hypothesis; the first exception is the failure.
+
+    ``events``, when given, collects the names of the engine events the replay reached."""
+    harness = Harness(trace.config, variant=variant, target=target, device=device, checks=checks)
+    try:
+        return _run(harness, trace, on_step)
+    finally:
+        if events is not None:
+            events.update(harness.engine.events)
+
+
+def _run(harness, trace, on_step) -> Failure | None:
+    for i, op in enumerate(trace.steps):
+        try:
+            outcome = harness.apply(op)
+        except Exception as e:  # noqa: BLE001 - any exception from the allocator is a finding
+            return Failure(i, failure_kind(e), str(e))
+        if on_step is not None:
+            on_step(i, op, outcome)
+    if trace.drain:
+        try:
+            steps = harness.drain()
+        except Exception as e:  # noqa: BLE001
+            return Failure(len(trace.steps), failure_kind(e), str(e))
+        if on_step is not None:
+            on_step(len(trace.steps), "drain", f"drained in {steps} engine steps")
+    return None

@@ -1,0 +1,50 @@
+"""The harness both drivers apply operations to: an engine, its checker and the prompts seen so far."""
+
+from __future__ import annotations
+
+from kvprop.allocator.specs import EngineConfig
+from kvprop.check.checker import Checker, drain
+from kvprop.errors import RequestError
+from kvprop.search.alphabet import fresh_tokens, show_tokens
+from kvprop.targets import build_engine
+
+
+class Harness:
+    """An engine, its checker and the prompts seen so far; ``apply`` checks every invariant."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        variant: str | None = None,
+        device: str | None = None,
+        checks: bool = True,
+        target=None,
+    ):
+        self.config = config
+        self.checker = Checker(enabled=checks)
+        self.engine = build_engine(config, variant=variant, target=target, device=device, hooks=self.checker)
+        self.prompts: list[list[int]] = []
+
+    def derive_tokens(self, parent: int, cut: int, extra: int, seed: int) -> list[int]:
+        """The ``parent``-th most recent prompt less its last ``cut`` tokens, then ``extra`` fresh
+        ones: counting from the most recent makes chains of shared prefixes (A, A+x, A+x+y) common,
+        and ``cut=0`` (what shrinking tends to) shares the whole parent."""
+        source = self.prompts[-1 - parent % len(self.prompts)] if self.prompts else []
+        base = source[: max(0, len(source) - cut)]
+        return base + fresh_tokens(seed + 31 * len(base), extra, self.config.vocab)
+
+    def add_request(self, prompt: list[int], max_new_tokens: int) -> str:
+        self.prompts.append(prompt)  # even if rejected: every producing operation adds one prompt
+        try:
+            request = self.engine.add_request(prompt, max_new_tokens)
+        except RequestError as e:
+            return f"rejected: {e}"
+        return f"{request.request_id} = {show_tokens(prompt)} (+{max_new_tokens} new)"
+
+    def apply(self, op) -> str:
+        outcome = op.apply(self)
+        self.checker.check_all(self.engine)
+        return outcome
+
+    def drain(self) -> int:
+        return drain(self.engine, self.checker)
