@@ -1,4 +1,4 @@
-"""``kvprop bench``: throughput, scaling and time-to-find, both engines side by side.
+"""``kvprop bench``: throughput, scaling and time-to-find, both drivers side by side.
 
 Figures are wall-clock on whatever machine runs them; compare ratios measured in one run.
 Nothing here is asserted: targets live in the README next to the measured tables.
@@ -85,7 +85,7 @@ def throughput(quick: bool) -> list[dict]:
         ("state machine, checks off", _machine_rate(examples, False)),
         ("Hypothesis, trivial rule", _trivial_rate(examples)),
     ):
-        rows.append({"engine": name, "steps": steps, "steps_per_s": round(rate)})
+        rows.append({"driver": name, "steps": steps, "steps_per_s": round(rate)})
     base = rows[0]["steps_per_s"]
     for row in rows:
         row["vs_walk_checked"] = round(row["steps_per_s"] / base, 3) if base else None
@@ -154,13 +154,13 @@ def time_to_find(quick: bool) -> list[dict]:
     cap = {"walk": 20.0 if quick else 60.0, "hypothesis": 60.0 if quick else 180.0}
     rows = []
     for variant in VARIANTS:
-        for engine in fuzz.ENGINES:
+        for driver in fuzz.DRIVERS:
             secs, steps, shrunk = [], [], []
             for seed in seeds:
                 with _fresh_directory():  # an empty Hypothesis example database for every search
                     result = fuzz.search(
                         fuzz.FuzzOptions(
-                            seconds=cap[engine], workers=1, seed=seed * 1000, engine=engine, variant=variant
+                            seconds=cap[driver], workers=1, seed=seed * 1000, driver=driver, variant=variant
                         )
                     )
                 if result.found is None:
@@ -172,15 +172,15 @@ def time_to_find(quick: bool) -> list[dict]:
             rows.append(
                 {
                     "variant": variant,
-                    "engine": engine,
+                    "driver": driver,
                     "seeds": len(seeds),
                     "found": len(secs),
                     "median_s": round(statistics.median(secs), 2) if secs else None,
                     "max_s": round(max(secs), 2) if secs else None,
                     "median_steps": int(statistics.median(steps)) if steps else None,
                     "max_steps": max(steps) if steps else None,
-                    "median_shrunk": statistics.median(shrunk) if shrunk else None,
-                    "cap_s": cap[engine],
+                    "median_minimised": statistics.median(shrunk) if shrunk else None,
+                    "cap_s": cap[driver],
                 }
             )
     return rows

@@ -42,8 +42,6 @@ def cmd_fuzz(args) -> int:
         from kvprop.targets import load_factory
 
         load_factory(args.target)  # a bad target is a clear error here, not a crash in every worker
-    if args.engine not in fuzz.ENGINES:
-        raise ConfigError(f"--engine must be one of {', '.join(fuzz.ENGINES)}, got {args.engine!r}")
     if args.seconds <= 0 or args.workers < 1:
         raise ConfigError(f"--seconds must be > 0 and --workers >= 1, got {args.seconds} and {args.workers}")
     if args.canary and not _canary(args):
@@ -52,7 +50,7 @@ def cmd_fuzz(args) -> int:
         seconds=args.seconds,
         workers=args.workers,
         seed=args.seed,
-        engine=args.engine,
+        driver=args.driver,
         variant=args.variant,
         target=args.target,
         device=args.device,
@@ -63,7 +61,7 @@ def cmd_fuzz(args) -> int:
     )
     label = f"variant {args.variant}" if args.variant else f"target {args.target or 'kvprop'}"
     print(
-        f"kvprop {__version__} fuzz: engine {args.engine}, {label}, {args.workers} workers, "
+        f"kvprop {__version__} fuzz: driver {args.driver}, {label}, {args.workers} workers, "
         f"{args.seconds:g}s budget, seed {args.seed}",
         flush=True,
     )
@@ -83,7 +81,7 @@ def cmd_fuzz(args) -> int:
         print(f"\nFOUND {best.failure.kind} by another machine (shared store); {len(best.steps)} operations:")
     else:
         print(
-            f"\nFOUND {best.failure.kind} after {result.seconds_to_find:.1f}s ({args.engine} seed "
+            f"\nFOUND {best.failure.kind} after {result.seconds_to_find:.1f}s ({args.driver} seed "
             f"{result.found.seed}); {len(result.found.steps)} operations minimised to {len(best.steps)}:"
         )
     _print_steps(best, args.variant, args.target, args.device)
@@ -102,7 +100,7 @@ def _canary(args) -> bool:
         seconds=args.canary_seconds,
         workers=args.workers,
         seed=args.seed,
-        engine="walk",
+        driver="walk",
         variant="interleaved-external-alloc",
         device=args.device,
     )
@@ -140,8 +138,8 @@ def cmd_replay(args) -> int:
 def cmd_shrink(args) -> int:
     import attrs
 
-    from kvprop.search import trace as tr
     from kvprop.repro.minimise import minimise
+    from kvprop.search import trace as tr
 
     trace = tr.load(args.file)
     variant = args.variant if args.variant is not None else trace.variant
@@ -183,7 +181,7 @@ def cmd_bugs(args) -> int:
             seconds=args.seconds_per_bug,
             workers=args.workers,
             seed=args.seed,
-            engine=args.engine,
+            driver=args.driver,
             variant=name,
             device=args.device,
         )
@@ -192,7 +190,7 @@ def cmd_bugs(args) -> int:
         rows.append(
             {
                 "variant": name,
-                "engine": args.engine,
+                "driver": args.driver,
                 "found": result.found is not None,
                 "seconds": round(result.seconds_to_find, 3) if result.found else None,
                 "steps": result.steps if result.found else None,
@@ -227,7 +225,7 @@ def cmd_bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvprop.search.fuzz import default_workers
+    from kvprop.search.fuzz import DRIVERS, default_workers
 
     p = argparse.ArgumentParser(
         prog="kvprop", description="Stateful property-based testing of paged, prefix-caching KV-cache allocators."
@@ -244,7 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--seconds", type=float, default=60.0)
     f.add_argument("--workers", type=int, default=default_workers())
     f.add_argument("--seed", type=int, default=int(time.time()) % 1_000_000)
-    f.add_argument("--engine", default="walk", help="walk (fast seeded walker) | hypothesis (state machine)")
+    f.add_argument(
+        "--driver",
+        default="walk",
+        choices=DRIVERS,
+        help="the search driver: walk (fast seeded walker, default) or hypothesis (the state machine)",
+    )
     f.add_argument("--out", default="counterexamples")
     f.add_argument("--max-ops", type=int, default=200, help="operations per walk run")
     f.add_argument(
@@ -282,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bugs", help="fuzz every bug variant from scratch and tabulate")
     b.add_argument("--seconds-per-bug", type=float, default=30.0)
-    b.add_argument("--engine", default="walk")
+    b.add_argument("--driver", default="walk", choices=DRIVERS, help="the search driver (default: walk)")
     b.add_argument("--workers", type=int, default=1)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--device", default=None)

@@ -40,3 +40,30 @@ class Violation(KvpropError, AssertionError):
             where.append(f"groups={list(self.groups)}")
         suffix = f" [{', '.join(where)}]" if where else ""
         super().__init__(f"{kind}: {message}{suffix}")
+
+
+class TargetCrash(Exception):
+    """The allocator under test raised inside one of its own calls: a finding (``target-crash``),
+    never confused with a ``Violation`` (an invariant failed) or an error of kvprop itself.
+
+    ``exception_type`` names the original exception; ``where`` is the target's innermost frame."""
+
+    kind = "target-crash"
+
+    def __init__(self, call: str, error: BaseException):
+        self.call = call
+        self.error = error
+        self.exception_type = type(error).__name__
+        frame = None
+        tb = error.__traceback__
+        while tb is not None:
+            frame = tb
+            tb = tb.tb_next
+        self.where = (
+            f"{frame.tb_frame.f_code.co_filename}:{frame.tb_lineno} in {frame.tb_frame.f_code.co_name}"
+            if frame
+            else "?"
+        )
+        super().__init__(
+            f"target-crash: {self.exception_type} raised by the target's {call}() at {self.where}: {error}"
+        )

@@ -39,10 +39,10 @@ def pytest_file(path, variant):
     )
 
 
-def found(tmp_path, engine):
+def found(tmp_path, driver):
     tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "cx"
-    r = kvprop_fuzz(tmp_path, out, f"--engine {engine} --variant {BUG} --seed 0 --max-runs 3000 --seconds 600")
+    r = kvprop_fuzz(tmp_path, out, f"--driver {driver} --variant {BUG} --seed 0 --max-runs 3000 --seconds 600")
     assert r.returncode == 1, r.stdout + r.stderr
     traces = sorted(out.glob("*.json"))
     tests = sorted(out.glob("test_*.py"))
@@ -84,10 +84,10 @@ def test_emit_test_writes_the_same_test_fuzz_wrote(walk_find, tmp_path):
     assert out.read_text() == test_path.read_text()
 
 
-def test_hypothesis_engine_finds_the_motivating_bug(tmp_path):
+def test_hypothesis_driver_finds_the_motivating_bug(tmp_path):
     r, trace_path, test_path = found(tmp_path, "hypothesis")
     data = json.loads(trace_path.read_text())
-    assert data["engine"] == "hypothesis"
+    assert data["driver"] == "hypothesis"
     assert kvprop("replay", str(trace_path)).returncode == 1
     assert pytest_file(test_path, "correct").returncode == 0
 

@@ -36,10 +36,6 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    @property
-    def usage(self) -> float:
-        return 1.0 - self.pool.num_free_blocks / (self.config.num_blocks - 1)
-
     def empty_hits(self):
         return tuple([] for _ in range(self.num_groups))
 

@@ -11,17 +11,35 @@ import attrs
 from kvprop.errors import ConfigError
 
 MAX_GROUPS = 8
+# Upper bounds a real run stays far below; they keep a hostile or mistyped value from
+# hanging the harness or exhausting memory (paged memory holds num_blocks x block_size int64).
+MAX_BLOCK_SIZE = 1 << 12
+MAX_TOKENS = 1 << 20
+MAX_SLOTS = 1 << 24
 
 
 def _int_at_least(lo: int, hi: int | None = None):
+    """An integer >= ``lo``; at most ``hi`` where the field has a range of its own, else at most
+    MAX_TOKENS (a bound no real run nears, so a mistyped value fails instead of hanging)."""
+
     def check(instance, attribute, value):
+        name = f"{type(instance).__name__}.{attribute.name}"
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{type(instance).__name__}.{attribute.name} must be an integer, got {value!r}")
-        if value < lo or (hi is not None and value > hi):
-            allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-            raise ConfigError(f"{type(instance).__name__}.{attribute.name} must be {allowed}, got {value}")
+            raise ConfigError(f"{name} must be an integer, got {value!r}")
+        if hi is not None and not lo <= value <= hi:
+            raise ConfigError(f"{name} must be in [{lo}, {hi}], got {value}")
+        if value < lo:
+            raise ConfigError(f"{name} must be >= {lo}, got {value}")
+        if value > MAX_TOKENS:
+            raise ConfigError(f"{name} must be <= {MAX_TOKENS:,}, got {value:,}")
 
     return check
+
+
+def _block_size(instance, attribute, value):
+    _int_at_least(1)(instance, attribute, value)
+    if value > MAX_BLOCK_SIZE:
+        raise ConfigError(f"{type(instance).__name__}.block_size must be <= {MAX_BLOCK_SIZE}, got {value:,}")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -32,7 +50,7 @@ def cdiv(a: int, b: int) -> int:
 class FullAttention:
     """Every earlier token is attended: nothing is ever skipped."""
 
-    block_size: int = attrs.field(validator=_int_at_least(1))
+    block_size: int = attrs.field(validator=_block_size)
     kind = "full"
 
     def skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -43,7 +61,7 @@ class FullAttention:
 class SlidingWindow:
     """Token n attends tokens (n - window, n]: earlier tokens are skipped."""
 
-    block_size: int = attrs.field(validator=_int_at_least(1))
+    block_size: int = attrs.field(validator=_block_size)
     window: int = attrs.field(validator=_int_at_least(1))
     kind = "sliding_window"
 
@@ -60,7 +78,7 @@ class SlidingWindow:
 class ChunkedLocal:
     """Token n attends only the tokens of its own chunk of ``chunk`` tokens."""
 
-    block_size: int = attrs.field(validator=_int_at_least(1))
+    block_size: int = attrs.field(validator=_block_size)
     chunk: int = attrs.field(validator=_int_at_least(1))
     kind = "chunked_local"
 
@@ -74,7 +92,6 @@ class ChunkedLocal:
         return (num_computed_tokens // self.chunk) * self.chunk
 
 
-AttentionSpec = FullAttention | SlidingWindow | ChunkedLocal
 SPEC_TYPES = (FullAttention, SlidingWindow, ChunkedLocal)
 
 
@@ -107,6 +124,13 @@ class AllocatorConfig:
     groups: tuple = attrs.field(converter=lambda g: tuple(g) if isinstance(g, list) else g, validator=_check_groups)
     num_blocks: int = attrs.field(validator=_int_at_least(2))
     enable_caching: bool = attrs.field(default=True, validator=_check_bool)
+
+    def __attrs_post_init__(self):
+        if self.num_blocks * self.block_size > MAX_SLOTS:
+            raise ConfigError(
+                f"AllocatorConfig: num_blocks x block_size must be <= {MAX_SLOTS:,} slots of paged memory, "
+                f"got {self.num_blocks:,} x {self.block_size}"
+            )
 
     @property
     def block_size(self) -> int:

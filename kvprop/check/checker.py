@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from kvprop.check import invariants as inv
 from kvprop.check.mirror import Mirror
-from kvprop.errors import Violation
 from kvprop.sim.engine import Hooks
 
 
@@ -41,6 +40,7 @@ class Checker(Hooks):
         self.dirty: set = set()
         self.pending_changes: set = set()
         self.num_checks = 0
+        self.expected_rows: dict = {}  # cache key -> what a block cached under it must hold
 
     def incremental(self, engine) -> bool:
         return self.full_every > 1 and hasattr(engine.view, "take_changes")
@@ -77,38 +77,26 @@ class Checker(Hooks):
     def after_free(self, engine, request) -> None:
         self.dirty.add(request.request_id)
 
+    def at_handoff(self, engine, request, tables, num_local: int, num_external: int) -> None:
+        if self.enabled:
+            inv.handoff_exclusive(engine.view, request, tables, num_local, num_external)
+
+    def before_load_write(self, engine, request, block_ids) -> None:
+        if self.enabled:
+            inv.load_write_owned(engine.view, request, engine.boundary.get_block_ids(request.request_id), block_ids)
+
+    def before_write(self, engine, request, group: int, table, start: int, num_tokens: int) -> None:
+        if self.enabled:
+            inv.write_targets(engine.view, request, group, table, start, num_tokens)
+
     def _check_refusal_changes(self, engine, request_id, before) -> None:
         """8, incrementally: a refused allocation touched only the blocks its window skipping freed."""
         view = engine.view
         after = [view.request_block_ids(g, request_id) for g in range(view.num_groups)]
-        freed = set()
-        for g, (old, new) in enumerate(zip(before, after)):
-            if old is None and new is None:
-                continue
-            if (
-                old is None
-                or new is None
-                or len(old) != len(new)
-                or any(a != b and b != view.null_block_id for a, b in zip(old, new))
-            ):
-                raise Violation(
-                    "refusal-changed-table",
-                    f"a refused allocation changed {request_id!r}'s group {g} table from {old} to {new}",
-                    requests=[request_id],
-                    groups=[g],
-                )
-            freed.update(a for a, b in zip(old, new) if a != b)
+        freed = inv.refusal_tables(view, request_id, before, after)
         changed = view.take_changes()
         self.pending_changes |= changed  # the structural check after this still judges them
-        stray = sorted(changed - freed)
-        if stray:
-            raise Violation(
-                "refusal-changed-state",
-                f"a refused allocation for {request_id!r} changed blocks {stray}, "
-                f"which its window skipping did not free",
-                blocks=stray,
-                requests=[request_id],
-            )
+        inv.refusal_blocks(request_id, changed, freed)
 
     # ---- checks -------------------------------------------------------------------------
 
@@ -158,7 +146,8 @@ class Checker(Hooks):
         self.num_checks += 1
         if self.incremental(engine) and self.num_checks % self.full_every:
             _, keys, changed = self.check_structure(engine)
-            inv.check_recent_data(engine, engine.view, [(b, keys[b]) for b in changed if keys[b] is not None])
+            cached = [(b, keys[b]) for b in changed if keys[b] is not None]
+            inv.check_recent_data(engine, engine.view, cached, self.expected_rows)
             return
         self.check_full(engine)
 
@@ -169,7 +158,7 @@ class Checker(Hooks):
         view = engine.view
         tables, keys = self._sweep_structure(engine)
         engine.memory.take_recent_writes()
-        inv.check_data(engine, view, tables, keys)
+        inv.check_data(engine, view, tables, keys, self.expected_rows)
         if self.incremental(engine):
             self.mirror = Mirror(view)
             self.signatures.clear()
@@ -193,15 +182,11 @@ def drain(engine, checker: Checker, max_steps: int | None = None) -> int:
         if not engine.requests:
             break
         if steps >= max_steps:
-            raise Violation(
-                "liveness",
-                f"{len(engine.requests)} requests still live after {steps} drain steps",
-                requests=sorted(engine.requests),
-            )
+            inv.liveness(engine, engine.view, steps)
         engine.step()
         steps += 1
         checker.check_all(engine)
     checker.check_full(engine)
     if checker.enabled:
-        inv.check_drained(engine, engine.view)
+        inv.liveness(engine, engine.view)
     return steps

@@ -1,8 +1,9 @@
-"""The invariants of DESIGN.md, each a readable check that raises a naming ``Violation``.
+"""The invariants of docs/design.md, each a readable check that raises a naming ``Violation``.
 
 They read the allocator only through its view and the engine's own records, never through
 a target's internals, so the same sentences judge kvprop's allocator, its variants and an
 external allocator. They state what correct state is, never what one bug looks like.
+Each kind of ``kvprop.check.kinds`` is raised by exactly one function here.
 """
 
 from __future__ import annotations
@@ -103,6 +104,24 @@ def block_cache_entry(block_id: int, key, in_map: bool, num_groups: int, is_null
         raise Violation("cache-key-group", f"block {block_id} is cached for group {key[1]}", blocks=[block_id])
 
 
+def null_block_not_free(block_id: int, in_queue: bool) -> None:
+    """2. The null block is never in the free queue (it is never handed out)."""
+    if in_queue:
+        raise Violation("null-block-free", "the null block is in the free queue", blocks=[block_id])
+
+
+def free_queue_links(consistent: bool, detail: str, blocks=()) -> None:
+    """2. The free queue's links agree: a walk forwards is a walk backwards reversed."""
+    if not consistent:
+        raise Violation("free-queue-links", detail, blocks=blocks)
+
+
+def free_count(linked: int, reported: int) -> None:
+    """2. The free count the allocator reports is the number of blocks linked into the queue."""
+    if linked != reported:
+        raise Violation("free-count", f"{linked} blocks are linked into the free queue but it reports {reported}")
+
+
 def map_entry(block_id: int, map_key, block_key) -> None:
     """4. The map holds a block only under the key the block carries."""
     if map_key != block_key:
@@ -135,8 +154,7 @@ def check_blocks(view, tables, ref_cnts, keys) -> None:
         is_null = block_id == view.null_block_id
         block_cache_entry(block_id, keys[block_id], mapped.get(block_id) == keys[block_id], view.num_groups, is_null)
         if is_null:
-            if block_id in in_queue:
-                raise Violation("null-block-free", "the null block is in the free queue", blocks=[block_id])
+            null_block_not_free(block_id, block_id in in_queue)
             continue
         block_ref_cnt(block_id, ref_cnt, holders.get(block_id, 0), who.get(block_id, ()))
         block_queue_membership(block_id, ref_cnt, block_id in in_queue)
@@ -148,13 +166,11 @@ def check_free_queue_links(view) -> None:
     """2. The queue's links are consistent, it has no repeats, its length is the free count."""
     forward = view.free_queue_ids()
     backward = view.free_queue_ids_backward()
-    if forward != backward[::-1]:
-        raise Violation("free-queue-links", f"forward walk {forward} and backward walk {backward[::-1]} disagree")
+    free_queue_links(forward == backward[::-1], f"forward walk {forward} and backward walk {backward[::-1]} disagree")
     repeats = [b for b, n in Counter(forward).items() if n > 1]
     if repeats:
         raise Violation("free-queue-repeat", "blocks appear more than once in the free queue", blocks=repeats)
-    if len(forward) != view.num_free_blocks:
-        raise Violation("free-count", f"free queue holds {len(forward)} blocks but reports {view.num_free_blocks}")
+    free_count(len(forward), view.num_free_blocks)
 
 
 # ---- 5. conservation ----------------------------------------------------------------------
@@ -173,6 +189,12 @@ def check_conservation_counts(view, in_use: int) -> None:
 
 
 # ---- 6. tables against requests -----------------------------------------------------------
+
+
+def own_cache_key(block_hash: int, group: int):
+    """The cache key a request's block with kvprop hash ``block_hash`` carries in ``group`` once
+    cached (every target's view reports its keys in these terms)."""
+    return (block_hash, group)
 
 
 def computed_tokens(request, pending: dict) -> int:
@@ -254,7 +276,7 @@ def check_tables(
             for i, (block_id, block_hash) in enumerate(zip(table[:num_cached], request.block_hashes)):
                 if block_id == null:
                     continue
-                own = engine.own_cache_key(block_hash, g)
+                own = own_cache_key(block_hash, g)
                 if keys[block_id] != own and not (uncached_ok and keys[block_id] is None):
                     raise Violation(
                         "cached-block-lost-hash",
@@ -269,7 +291,7 @@ def check_tables(
 # ---- 7. data ------------------------------------------------------------------------------
 
 
-def check_data(engine, view, tables, keys) -> None:
+def check_data(engine, view, tables, keys, memo: dict) -> None:
     """Every computed position of a running request reads back its fingerprint; every cached
     block holds the data of the prefix its hash names; the null block is never written."""
     bs, null, memory = view.block_size, view.null_block_id, engine.memory
@@ -288,12 +310,12 @@ def check_data(engine, view, tables, keys) -> None:
                 expected.append(fingerprint(g, p, prefix[p]))
                 origin.append((rid, g, p, block_id))
     _expect_cached_and_null(
-        engine, view, [(b, k) for b, k in enumerate(keys) if k is not None], slots, expected, origin
+        engine, view, [(b, k) for b, k in enumerate(keys) if k is not None], slots, expected, origin, memo
     )
     report_mismatch(memory, slots, expected, origin)
 
 
-def check_recent_data(engine, view, changed_cached) -> None:
+def check_recent_data(engine, view, changed_cached, memo: dict) -> None:
     """7, incrementally: every write since the last check reads back (two writers of one
     slot in a step cannot both), every block that changed and is cached holds its hash's
     data, and the null block is unwritten."""
@@ -302,16 +324,30 @@ def check_recent_data(engine, view, changed_cached) -> None:
     if not slots and not changed_cached:
         return
     origin = [("a write this step", -1, s % bs, s // bs) for s in slots]
-    _expect_cached_and_null(engine, view, changed_cached, slots, expected, origin)
+    _expect_cached_and_null(engine, view, changed_cached, slots, expected, origin, memo)
     report_mismatch(memory, slots, expected, origin)
 
 
-def _expect_cached_and_null(engine, view, cached, slots, expected, origin) -> None:
+def expected_cached_row(engine, key, memo: dict):
+    """(first position, fingerprints) a block cached under ``key`` must hold, if the hash is known
+    (the engine records what every block hash it has seen names)."""
+    row = memo.get(key)
+    if row is None:
+        known = engine.registry.get(key[0])
+        if known is None:
+            return None
+        index, prefix = known
+        start = index * engine.block_size
+        row = memo[key] = (start, [fingerprint(key[1], start + j, h) for j, h in enumerate(prefix)])
+    return row
+
+
+def _expect_cached_and_null(engine, view, cached, slots, expected, origin, memo) -> None:
     """Add what each (block, key) in ``cached`` must hold (its hash's prefix data, where the
     hash is known) and what the null block must hold (nothing ever written)."""
     bs, null = view.block_size, view.null_block_id
     for block_id, key in cached:
-        rows = engine.expected_cached_row(key)
+        rows = expected_cached_row(engine, key, memo)
         if rows is None:
             continue
         start, row = rows
@@ -350,32 +386,42 @@ def snapshot(view, request_id: str):
     )
 
 
-def check_refusal(view, request_id: str, before) -> None:
-    """A refused allocation changes nothing but the skipped blocks it freed."""
-    ref_before, keys_before, queue_before, tables_before = before
-    ref_after, keys_after, queue_after, tables_after = snapshot(view, request_id)
+def refusal_tables(view, request_id: str, tables_before, tables_after) -> Counter:
+    """8. A refused allocation leaves the request's tables as they were, but for skipped blocks
+    its window freed (now the null block). Returns how often each block was freed that way."""
     freed = Counter()
     for g, (old, new) in enumerate(zip(tables_before, tables_after)):
         if old is None and new is None:
             continue
-        if old is None or new is None or len(old) != len(new):
+        replaced = [] if old is None or new is None else [(a, b) for a, b in zip(old, new) if a != b]
+        if old is None or new is None or len(old) != len(new) or any(b != view.null_block_id for _, b in replaced):
             raise Violation(
                 "refusal-changed-table",
                 f"a refused allocation changed {request_id!r}'s group {g} table from {old} to {new}",
                 requests=[request_id],
                 groups=[g],
             )
-        for a, b in zip(old, new):
-            if a != b:
-                if b != view.null_block_id:
-                    raise Violation(
-                        "refusal-changed-table",
-                        f"a refused allocation replaced block {a} by {b} in {request_id!r} group {g}",
-                        blocks=[a, b],
-                        requests=[request_id],
-                        groups=[g],
-                    )
-                freed[a] += 1
+        freed.update(a for a, _ in replaced)
+    return freed
+
+
+def refusal_blocks(request_id: str, changed: set, freed) -> None:
+    """8, incrementally: the blocks a refused allocation changed are the skipped blocks it freed."""
+    stray = sorted(set(changed) - set(freed))
+    if stray:
+        raise Violation(
+            "refusal-changed-state",
+            f"a refused allocation for {request_id!r} changed blocks {stray}, which its window skipping did not free",
+            blocks=stray,
+            requests=[request_id],
+        )
+
+
+def check_refusal(view, request_id: str, before) -> None:
+    """8. A refused allocation changes nothing but the skipped blocks it freed."""
+    ref_before, keys_before, queue_before, tables_before = before
+    ref_after, keys_after, queue_after, tables_after = snapshot(view, request_id)
+    freed = refusal_tables(view, request_id, tables_before, tables_after)
     for block_id, (old, new) in enumerate(zip(ref_before, ref_after)):
         if block_id != view.null_block_id and new != old - freed.get(block_id, 0):
             raise Violation(
@@ -405,14 +451,95 @@ def check_refusal(view, request_id: str, before) -> None:
 # ---- 9. liveness --------------------------------------------------------------------------
 
 
-def check_drained(engine, view) -> None:
-    """After a drain every request is gone and every block is back in the free queue."""
-    if engine.requests:
+def liveness(engine, view, steps: int | None = None) -> None:
+    """9. With arrivals stopped, every request ends and every block returns: called after a drain
+    (``steps`` None) and during one, when ``steps`` exceeded the drain's bound."""
+    if steps is not None or engine.requests:
+        after = f"after {steps} drain steps" if steps is not None else "after the drain"
         raise Violation(
             "liveness",
-            f"requests still live after the drain: {sorted(engine.requests)}",
+            f"{len(engine.requests)} requests still live {after}: {sorted(engine.requests)}",
             requests=sorted(engine.requests),
         )
     if view.num_free_blocks != view.num_blocks - 1:
         held = [b for b, r in enumerate(view.ref_cnts()) if r > 0 and b != view.null_block_id]
         raise Violation("liveness", f"{len(held)} blocks still held after every request ended", blocks=held)
+
+
+# ---- 6 and 7 at the moments blocks change hands ---------------------------------------------
+
+
+def handoff_exclusive(view, request, tables, num_local: int, num_external: int) -> None:
+    """7. Every block allocated for external tokens is the request's alone and uncached when the
+    connector takes it: the load writes it without looking at anyone else."""
+    bs = view.block_size
+    for g, table in enumerate(tables):
+        for index in range(num_local // bs, cdiv(num_local + num_external, bs)):
+            block_id = table[index]
+            if block_id == view.null_block_id:
+                continue
+            ref_cnt, key = view.ref_cnt(block_id), view.cache_key(block_id)
+            if ref_cnt != 1 or key is not None:
+                raise Violation(
+                    "connector-handoff",
+                    f"block {block_id} handed to the connector for {request.request_id!r} group {g} is not "
+                    f"exclusively owned (ref_cnt={ref_cnt}, cached as {key})",
+                    blocks=[block_id],
+                    requests=[request.request_id],
+                    groups=[g],
+                )
+
+
+def load_write_owned(view, request, tables, block_ids) -> None:
+    """7. A completing load writes only blocks that are still its request's own, and only its own."""
+    for group, block_id in block_ids:
+        table = tables[group] if group < len(tables) else []
+        ref_cnt = view.ref_cnt(block_id)
+        if block_id not in table or ref_cnt != 1:
+            raise Violation(
+                "connector-write-unowned",
+                f"block {block_id} is written for {request.request_id!r} group {group} but "
+                f"{'is not in its table' if block_id not in table else f'has ref_cnt {ref_cnt}'}",
+                blocks=[block_id],
+                requests=[request.request_id],
+                groups=[group],
+            )
+
+
+def write_targets(view, request, group: int, table, start: int, num_tokens: int) -> None:
+    """6 and 7. Positions [start, start + num_tokens) have blocks; none is the null block; each is
+    the writer's alone, unless it is a cached full block of the same prefix (another request may
+    hit it in the same step, before it is written)."""
+    bs, null, rid = view.block_size, view.null_block_id, request.request_id
+    if start + num_tokens > len(table) * bs:
+        raise Violation(
+            "table-too-short",
+            f"{rid!r} group {group} computes positions [{start}, {start + num_tokens}) with only {len(table)} blocks",
+            requests=[rid],
+            groups=[group],
+        )
+    hashes = request.block_hashes
+    for index in range(start // bs, cdiv(start + num_tokens, bs)):
+        block_id = table[index]
+        if block_id == null:
+            raise Violation(
+                "write-to-null-block",
+                f"{rid!r} group {group} computes into block index {index}, which is the null block",
+                blocks=[null],
+                requests=[rid],
+                groups=[group],
+            )
+        ref_cnt = view.ref_cnt(block_id)
+        if ref_cnt == 1:
+            continue
+        own = own_cache_key(hashes[index], group) if index < len(hashes) else None
+        key = view.cache_key(block_id)
+        if ref_cnt < 1 or own is None or key != own:
+            raise Violation(
+                "write-to-shared-block",
+                f"{rid!r} group {group} computes into block {block_id} (index {index}) with "
+                f"ref_cnt {ref_cnt} and cache key {key}, expected its own key {own}",
+                blocks=[block_id],
+                requests=[rid],
+                groups=[group],
+            )

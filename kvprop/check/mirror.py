@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections import Counter
 
 from kvprop.check import invariants as inv
-from kvprop.errors import Violation
 
 
 class Mirror:
@@ -104,8 +103,7 @@ class Mirror:
             if key is not None and (not in_map or block_id == null or not 0 <= key[1] < num_groups):
                 inv.block_cache_entry(block_id, key, in_map, num_groups, block_id == null)
             if block_id == null:
-                if in_queue:
-                    raise Violation("null-block-free", "the null block is in the free queue", blocks=[block_id])
+                inv.null_block_not_free(block_id, in_queue)
                 continue
             holders = holders_of[block_id]
             if ref_cnt != holders or len(groups_of[block_id]) > 1 or (holders > 1 and key is None):
@@ -116,14 +114,9 @@ class Mirror:
             if ref_cnt < 0 or (ref_cnt == 0) != in_queue:
                 inv.block_queue_membership(block_id, ref_cnt, in_queue)
             if not links_ok:
-                raise Violation(
-                    "free-queue-links",
-                    f"block {block_id}'s free-queue neighbours do not link back to it",
-                    blocks=[block_id],
+                inv.free_queue_links(
+                    False, f"block {block_id}'s free-queue neighbours do not link back to it", [block_id]
                 )
-        if check and len(free) != view.num_free_blocks:
-            raise Violation(
-                "free-count", f"{len(free)} blocks are linked into the free queue but it reports {view.num_free_blocks}"
-            )
         if check:
+            inv.free_count(len(free), view.num_free_blocks)
             inv.check_conservation_counts(view, view.num_blocks - 1 - len(free))

@@ -140,6 +140,10 @@ class PublishPrefix:
     seed: int
     ARGS: ClassVar = {"parent": (0, 7), "cut": (0, 48), "extra": (0, 32), "seed": (0, 3)}
 
+    @staticmethod
+    def ready(h: Harness) -> bool:
+        return h.engine.connector is not None
+
     def apply(self, h: Harness) -> str:
         tokens = h.derive_tokens(self.parent, self.cut, self.extra, self.seed)
         if h.engine.connector is None:
@@ -156,6 +160,10 @@ class FinishLoad:
     index: int
     ok: int
     ARGS: ClassVar = {"index": (0, 7), "ok": (0, 1)}
+
+    @staticmethod
+    def ready(h: Harness) -> bool:
+        return bool(h.engine.loading)
 
     def apply(self, h: Harness) -> str:
         loading = sorted(h.engine.loading)
@@ -194,6 +202,10 @@ class Preempt:
     index: int
     ARGS: ClassVar = {"index": (0, 7)}
 
+    @staticmethod
+    def ready(h: Harness) -> bool:
+        return bool(h.engine.running)
+
     def apply(self, h: Harness) -> str:
         return _on_running(h, self.index, h.engine.preempt, "preempted")
 
@@ -204,6 +216,10 @@ class Abort:
 
     index: int
     ARGS: ClassVar = {"index": (0, 7)}
+
+    @staticmethod
+    def ready(h: Harness) -> bool:
+        return bool(h.engine.requests)
 
     def apply(self, h: Harness) -> str:
         rid = _pick(sorted(h.engine.requests), self.index)
@@ -220,6 +236,10 @@ class Finish:
     index: int
     ARGS: ClassVar = {"index": (0, 7)}
 
+    @staticmethod
+    def ready(h: Harness) -> bool:
+        return bool(h.engine.running)
+
     def apply(self, h: Harness) -> str:
         return _on_running(h, self.index, h.engine.finish, "finished")
 
@@ -235,5 +255,7 @@ class ResetPrefixCache:
 
 
 PROMPT_PRODUCERS = (AddRequest, AddLargeRequest, PublishPrefix)  # each adds exactly one prompt to the history
+# ``ready(h)``, where an operation has it, says whether it would do anything now: the state
+# machine skips it otherwise (a precondition); the walker applies it anyway (a no-op).
 OPERATIONS = (AddRequest, AddLargeRequest, Step, PublishPrefix, FinishLoad, Preempt, Abort, Finish, ResetPrefixCache)
 OPERATION_BY_NAME = {op.__name__: op for op in OPERATIONS}

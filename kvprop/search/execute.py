@@ -7,8 +7,9 @@ validating a trace loads neither torch nor the engine.
 
 from __future__ import annotations
 
+from kvprop.errors import TargetCrash, Violation
 from kvprop.search.harness import Harness
-from kvprop.search.trace import Failure, Trace, failure_kind
+from kvprop.search.trace import Failure, Trace, failure_from
 
 
 def execute(
@@ -35,15 +36,15 @@ def _run(harness, trace, on_step) -> Failure | None:
     for i, op in enumerate(trace.steps):
         try:
             outcome = harness.apply(op)
-        except Exception as e:  # noqa: BLE001 - any exception from the allocator is a finding
-            return Failure(i, failure_kind(e), str(e))
+        except (Violation, TargetCrash) as e:  # a finding; anything else is kvprop's own error
+            return failure_from(e, i)
         if on_step is not None:
             on_step(i, op, outcome)
     if trace.drain:
         try:
             steps = harness.drain()
-        except Exception as e:  # noqa: BLE001
-            return Failure(len(trace.steps), failure_kind(e), str(e))
+        except (Violation, TargetCrash) as e:
+            return failure_from(e, len(trace.steps))
         if on_step is not None:
             on_step(len(trace.steps), "drain", f"drained in {steps} engine steps")
     return None

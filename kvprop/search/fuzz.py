@@ -1,6 +1,6 @@
 """``kvprop fuzz``: worker processes searching until the budget ends or a failure.
 
-Each worker runs one engine — the seeded walker (fast) or the Hypothesis state machine
+Each worker runs one driver — the seeded walker (fast) or the Hypothesis state machine
 (its heuristics, saving to the example database) — over disjoint seeds. The parent prints
 a status line at least every 2 s; on a failure it stops the workers and returns the find
 (the caller minimises and writes it, see ``kvprop.repro``).
@@ -22,7 +22,7 @@ from kvprop.search.execute import execute
 from kvprop.search.trace import Trace
 from kvprop.sim.engine import EVENTS
 
-ENGINES = ("walk", "hypothesis")
+DRIVERS = ("walk", "hypothesis")
 REPORT_EVERY = 0.5
 STATUS_EVERY = 2.0
 
@@ -32,7 +32,7 @@ class FuzzOptions:
     seconds: float = 60.0
     workers: int = 1
     seed: int = 0
-    engine: str = "walk"
+    driver: str = "walk"
     variant: str | None = None
     target: str | None = None
     device: str | None = None
@@ -121,7 +121,7 @@ def _progress(out, machine, before) -> None:
 
 def _worker(index, opts, out, stop):
     try:
-        (_walk_worker if opts.engine == "walk" else _hypothesis_worker)(index, opts, out, stop)
+        (_walk_worker if opts.driver == "walk" else _hypothesis_worker)(index, opts, out, stop)
     except KeyboardInterrupt:
         pass
     except BaseException as e:  # noqa: BLE001 - report, never hang the parent
@@ -153,7 +153,7 @@ def search(opts: FuzzOptions, status=None) -> FuzzResult:
         store = TraceStore(opts.redis, opts.target, opts.variant)
         known = _from_store(opts, store, status)
         if known is not None:
-            return FuzzResult(known, known, 0, 0, 0.0, frozenset(), 0.0, shared=True)
+            return FuzzResult(known, 0, 0, 0.0, frozenset(), 0.0, shared=True)
         seen = len(store)
     ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
     out, stop = ctx.Queue(), ctx.Event()

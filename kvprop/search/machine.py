@@ -11,7 +11,7 @@ from hypothesis import event, reject
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from kvprop.errors import ConfigError
+from kvprop.errors import ConfigError, TargetCrash, Violation
 from kvprop.search import alphabet as ops
 from kvprop.search.harness import Harness
 
@@ -75,7 +75,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         type(self).counters["steps"] += 1
         try:
             self.harness.apply(op)
-        except BaseException as e:
+        except (Violation, TargetCrash) as e:
             self.failed = True
             self.record_failure(e, at_drain=False)
             raise
@@ -85,56 +85,36 @@ class KVCacheMachine(RuleBasedStateMachine):
                 type(self).events_seen.add(name)
                 event(name)
 
-    @rule(op=operation(ops.AddRequest))
-    def add_request(self, op):
-        self.run(op)
-
-    @rule(op=operation(ops.AddLargeRequest))
-    def add_large_request(self, op):
-        self.run(op)
-
-    @rule(op=operation(ops.Step))
-    def step(self, op):
-        self.run(op)
-
-    # Preconditions only skip rules that would be no-ops, so every drawn step does something.
-    @precondition(lambda self: self.harness.engine.connector is not None)
-    @rule(op=operation(ops.PublishPrefix))
-    def publish_prefix(self, op):
-        self.run(op)
-
-    @precondition(lambda self: bool(self.harness.engine.loading))
-    @rule(op=operation(ops.FinishLoad))
-    def finish_load(self, op):
-        self.run(op)
-
-    @precondition(lambda self: bool(self.harness.engine.running))
-    @rule(op=operation(ops.Preempt))
-    def preempt(self, op):
-        self.run(op)
-
-    @precondition(lambda self: bool(self.harness.engine.requests))
-    @rule(op=operation(ops.Abort))
-    def abort(self, op):
-        self.run(op)
-
-    @precondition(lambda self: bool(self.harness.engine.running))
-    @rule(op=operation(ops.Finish))
-    def finish(self, op):
-        self.run(op)
-
-    @rule(op=operation(ops.ResetPrefixCache))
-    def reset_prefix_cache(self, op):
-        self.run(op)
-
     def teardown(self):
         if self.harness is None or self.failed:
             return
         try:
             self.harness.drain()
-        except BaseException as e:
+        except (Violation, TargetCrash) as e:
             self.record_failure(e, at_drain=True)
             raise
+
+
+def _snake(name: str) -> str:
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_")
+
+
+def _rule(op_class):
+    """One rule per operation, skipped (by precondition) only where the operation would do nothing."""
+
+    def apply(self, op):
+        self.run(op)
+
+    apply.__name__ = _snake(op_class.__name__)
+    applies = rule(op=operation(op_class))(apply)
+    ready = getattr(op_class, "ready", None)
+    if ready is not None:
+        applies = precondition(lambda self: ready(self.harness))(applies)
+    return applies
+
+
+for _op in ops.OPERATIONS:
+    setattr(KVCacheMachine, _snake(_op.__name__), _rule(_op))
 
 
 def machine_for(
@@ -162,7 +142,7 @@ def machine_for(
 
 def failure_trace(machine: type):
     """The machine's last failing example as a kvprop trace (replayable, minimisable)."""
-    from kvprop.search.trace import Failure, Trace, failure_kind
+    from kvprop.search.trace import Trace, failure_from
 
     config, steps, error, at_drain = machine.failures[-1]
     return Trace(
@@ -170,8 +150,8 @@ def failure_trace(machine: type):
         steps=steps,
         variant=machine.variant,
         target=machine.target,
-        engine="hypothesis",
-        failure=Failure(len(steps) - (not at_drain), failure_kind(error), str(error)),
+        driver="hypothesis",
+        failure=failure_from(error, len(steps) - (not at_drain)),
     )
 
 

@@ -13,30 +13,52 @@ import attrs
 
 from kvprop import __version__
 from kvprop.allocator.specs import AllocatorConfig, ChunkedLocal, EngineConfig, FullAttention, SlidingWindow
-from kvprop.errors import KvpropError, Violation
+from kvprop.errors import KvpropError, TargetCrash
 from kvprop.search.alphabet import OPERATION_BY_NAME
 
 FORMAT = "kvprop-trace/1"
+DRIVERS = ("walk", "hypothesis")
+# What a real run can produce, with room to spare; anything beyond is refused, not attempted.
+MAX_FILE_BYTES = 16 << 20
+MAX_STEPS = 100_000
+MAX_TEXT = 100_000
 
 
 class TraceError(KvpropError):
     """A trace file is malformed or incompatible; the message says what and where."""
 
 
+ORIGINS = ("violation", "target-crash")
+
+
 @attrs.frozen
 class Failure:
-    """Where a replay failed: the step index (len(steps) means the final drain), a kind, a message."""
+    """Where a replay failed: the step index (len(steps) means the final drain), a kind, a message.
+
+    ``origin`` says what failed: an invariant (``violation``, ``kind`` names it) or the target's
+    own code raising (``target-crash``, ``exception`` names the exception type). An error of
+    the harness itself is never a Failure: it propagates as an internal error."""
 
     step: int
     kind: str
     message: str
+    origin: str = "violation"
+    exception: str | None = None
 
     def describe(self) -> str:
         return f"step {self.step}: {self.message}"
 
+    @property
+    def signature(self) -> tuple:
+        """What the minimiser keeps constant: the violated kind, or the crashing exception's type."""
+        return (self.kind, self.exception)
 
-def failure_kind(error: BaseException) -> str:
-    return error.kind if isinstance(error, Violation) else type(error).__name__
+
+def failure_from(error: BaseException, step: int) -> Failure:
+    """The Failure a finding exception stands for (a Violation or a TargetCrash)."""
+    if isinstance(error, TargetCrash):
+        return Failure(step, "target-crash", str(error), "target-crash", error.exception_type)
+    return Failure(step, error.kind, str(error))
 
 
 @attrs.frozen
@@ -47,7 +69,7 @@ class Trace:
     target: str | None = None
     drain: bool = True
     seed: int | None = None
-    engine: str = "walk"
+    driver: str = "walk"  # the search driver that found it: one of DRIVERS
     failure: Failure | None = None
 
     def with_steps(self, steps) -> Trace:
@@ -75,23 +97,46 @@ def config_to_dict(config: EngineConfig) -> dict:
 def _require(d, key, where, types):
     if not isinstance(d, dict) or key not in d:
         raise TraceError(f"{where}: missing field {key!r}")
-    value = d[key]
-    if not isinstance(value, types) or (
-        isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,))
-    ):
-        raise TraceError(f"{where}.{key}: expected {getattr(types, '__name__', types)}, got {value!r}")
+    return _typed(d[key], f"{where}.{key}", types)
+
+
+def _typed(value, where, types):
+    types = types if isinstance(types, tuple) else (types,)
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+        raise TraceError(f"{where}: expected {names}, got {_show(value)}")
+    if isinstance(value, str) and len(value) > MAX_TEXT:
+        raise TraceError(f"{where}: a string of {len(value):,} characters (at most {MAX_TEXT:,})")
     return value
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _only(d: dict, allowed, where: str) -> None:
+    unknown = sorted(set(d) - set(allowed))
+    if unknown:
+        raise TraceError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+
+
+CONFIG_FIELDS = ("groups", "num_blocks", "enable_caching", "token_budget", "lookahead", "connector", "vocab")
 
 
 def config_from_dict(d) -> EngineConfig:
     from kvprop.errors import ConfigError
 
+    _typed(d, "config", dict)
+    _only(d, CONFIG_FIELDS, "config")
     groups = []
     for i, g in enumerate(_require(d, "groups", "config", list)):
+        _typed(g, f"config.groups[{i}]", dict)
         kind = _require(g, "kind", f"config.groups[{i}]", str)
         if kind not in SPEC_KINDS:
             raise TraceError(f"config.groups[{i}].kind: {kind!r} is not one of {sorted(SPEC_KINDS)}")
         fields = {k: v for k, v in g.items() if k != "kind"}
+        _only(fields, [f.name for f in attrs.fields(SPEC_KINDS[kind])], f"config.groups[{i}]")
         try:
             groups.append(SPEC_KINDS[kind](**fields))
         except (TypeError, ConfigError) as e:
@@ -115,16 +160,18 @@ def op_to_dict(op) -> dict:
 
 
 def op_from_dict(d, where: str):
+    """An operation; every argument an integer in the range the drivers draw it from."""
     name = _require(d, "op", where, str)
     cls = OPERATION_BY_NAME.get(name)
     if cls is None:
-        raise TraceError(f"{where}.op: unknown operation {name!r}; known: {', '.join(OPERATION_BY_NAME)}")
+        raise TraceError(f"{where}.op: unknown operation {_show(name)}; known: {', '.join(OPERATION_BY_NAME)}")
     args = {k: v for k, v in d.items() if k != "op"}
     if set(args) != set(cls.ARGS):
         raise TraceError(f"{where}: {name} takes arguments {sorted(cls.ARGS)}, got {sorted(args)}")
     for k, v in args.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise TraceError(f"{where}.{k}: expected an integer >= 0, got {v!r}")
+        lo, hi = cls.ARGS[k]
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise TraceError(f"{where}.{k}: expected an integer in [{lo}, {hi}], got {_show(v)}")
     return cls(**args)
 
 
@@ -132,7 +179,7 @@ def to_dict(trace: Trace) -> dict:
     return {
         "format": FORMAT,
         "kvprop_version": __version__,
-        "engine": trace.engine,
+        "driver": trace.driver,
         "seed": trace.seed,
         "variant": trace.variant,
         "target": trace.target,
@@ -143,43 +190,89 @@ def to_dict(trace: Trace) -> dict:
     }
 
 
+TRACE_FIELDS = ("format", "kvprop_version", "driver", "engine", "seed", "variant", "target", "config", "steps")
+TRACE_FIELDS += ("drain", "failure")
+FAILURE_FIELDS = ("step", "kind", "message", "origin", "exception")
+
+
+def _driver(d: dict) -> str:
+    """The search driver; traces written before the rename call the field ``engine``."""
+    key = "driver" if "driver" in d else "engine"
+    driver = _typed(d.get(key, "walk"), key, str)
+    if driver not in DRIVERS:
+        raise TraceError(f"{key}: expected one of {list(DRIVERS)}, got {_show(driver)}")
+    return driver
+
+
+def _failure(d, num_steps: int) -> Failure | None:
+    if d is None:
+        return None
+    _typed(d, "failure", dict)
+    _only(d, FAILURE_FIELDS, "failure")
+    step = _require(d, "step", "failure", int)
+    if not 0 <= step <= num_steps:
+        raise TraceError(
+            f"failure.step: expected an integer in [0, {num_steps}] (the steps, then the drain), got {step}"
+        )
+    origin = _typed(d.get("origin", "violation"), "failure.origin", str)
+    if origin not in ORIGINS:
+        raise TraceError(f"failure.origin: expected one of {list(ORIGINS)}, got {_show(origin)}")
+    return Failure(
+        step,
+        _require(d, "kind", "failure", str),
+        _require(d, "message", "failure", str),
+        origin,
+        _typed(d.get("exception"), "failure.exception", (str, type(None))),
+    )
+
+
 def from_dict(d) -> Trace:
+    """A trace, every field checked for type and range; a TraceError names the first bad one."""
     if not isinstance(d, dict):
         raise TraceError(f"a trace is a JSON object, got {type(d).__name__}")
     fmt = d.get("format")
     if fmt != FORMAT:
-        raise TraceError(f"format: expected {FORMAT!r}, got {fmt!r} (is this a kvprop trace file?)")
-    steps = tuple(op_from_dict(s, f"steps[{i}]") for i, s in enumerate(_require(d, "steps", "trace", list)))
-    failure = d.get("failure")
-    if failure is not None:
-        try:
-            failure = Failure(int(failure["step"]), str(failure["kind"]), str(failure["message"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise TraceError(f"failure: expected {{step, kind, message}}, got {failure!r}") from e
+        raise TraceError(f"format: expected {FORMAT!r}, got {_show(fmt)} (is this a kvprop trace file?)")
+    _only(d, TRACE_FIELDS, "trace")
+    raw_steps = _require(d, "steps", "trace", list)
+    if len(raw_steps) > MAX_STEPS:
+        raise TraceError(f"steps: {len(raw_steps):,} operations (at most {MAX_STEPS:,})")
+    steps = tuple(op_from_dict(s, f"steps[{i}]") for i, s in enumerate(raw_steps))
+    seed = _typed(d.get("seed"), "seed", (int, type(None)))
+    if seed is not None and not 0 <= seed < 1 << 64:
+        raise TraceError(f"seed: expected an integer in [0, 2**64), got {seed}")
+    _typed(d.get("kvprop_version", ""), "kvprop_version", str)
     return Trace(
         config=config_from_dict(_require(d, "config", "trace", dict)),
         steps=steps,
-        variant=d.get("variant"),
-        target=d.get("target"),
-        drain=bool(d.get("drain", True)),
-        seed=d.get("seed"),
-        engine=str(d.get("engine", "walk")),
-        failure=failure,
+        variant=_typed(d.get("variant"), "variant", (str, type(None))),
+        target=_typed(d.get("target"), "target", (str, type(None))),
+        drain=_typed(d.get("drain", True), "drain", bool),
+        seed=seed,
+        driver=_driver(d),
+        failure=_failure(d.get("failure"), len(steps)),
     )
 
 
 def save(trace: Trace, path: Path) -> None:
-    path.write_text(json.dumps(to_dict(trace), indent=1) + "\n")
+    path.write_text(json.dumps(to_dict(trace), indent=1) + "\n", encoding="utf-8")
 
 
 def load(path) -> Trace:
+    """Read and validate a trace file: UTF-8 JSON of at most MAX_FILE_BYTES, data only."""
     path = Path(path)
     try:
-        text = path.read_text()
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise TraceError(f"{path}: {path.stat().st_size:,} bytes; a trace file is at most {MAX_FILE_BYTES:,}")
+        text = path.read_bytes().decode("utf-8")
     except OSError as e:
         raise TraceError(f"cannot read trace {str(path)!r}: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise TraceError(f"{path}: not UTF-8 text (byte {e.start}); a trace is a JSON file") from e
     try:
         data = json.loads(text)
+    except RecursionError as e:
+        raise TraceError(f"{path}: JSON nested too deeply") from e
     except json.JSONDecodeError as e:
         raise TraceError(f"{path}: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from e
     try:

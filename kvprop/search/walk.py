@@ -31,7 +31,7 @@ def plan(seed: int, max_ops: int = 200) -> Trace:
     for _ in range(rng.randint(max_ops // 4, max_ops)):
         op = rng.choices(OPERATIONS, weights)[0]
         steps.append(op(**{k: rng.randint(lo, hi) for k, (lo, hi) in op.ARGS.items()}))
-    return Trace(config=config, steps=tuple(steps), seed=seed, engine="walk")
+    return Trace(config=config, steps=tuple(steps), seed=seed, driver="walk")
 
 
 @attrs.frozen

@@ -11,7 +11,6 @@ from __future__ import annotations
 import attrs
 
 from kvprop.allocator.hashing import ROOT_HASH, chain_hashes, fingerprint, prefix_hash
-from kvprop.errors import Violation
 from kvprop.sim.memory import PagedMemory
 
 
@@ -70,25 +69,15 @@ class Connector:
         end = min(i * bs, request.num_tokens - 1)
         return max(0, end - num_local_computed)
 
-    def start_load(self, request, view, tables, num_local: int, num_external: int) -> None:
-        """Take the blocks allocated for external tokens; each must be the request's alone."""
+    def start_load(self, request, null_block_id: int, tables, num_local: int, num_external: int) -> None:
+        """Take the blocks allocated for external tokens (the checker has seen them at the hand-off)."""
         bs = self.block_size
         slots, values, owned = [], [], []
         for g, table in enumerate(tables):
             for index in range(num_local // bs, -(-(num_local + num_external) // bs)):
                 block_id = table[index]
-                if block_id == view.null_block_id:
+                if block_id == null_block_id:
                     continue
-                ref_cnt, key = view.ref_cnt(block_id), view.cache_key(block_id)
-                if ref_cnt != 1 or key is not None:
-                    raise Violation(
-                        "connector-handoff",
-                        f"block {block_id} handed to the connector for {request.request_id!r} group {g} is not "
-                        f"exclusively owned (ref_cnt={ref_cnt}, cached as {key})",
-                        blocks=[block_id],
-                        requests=[request.request_id],
-                        groups=[g],
-                    )
                 owned.append((g, block_id))
                 row = self.tier[request.block_hashes[index]][g]
                 for offset in range(bs):

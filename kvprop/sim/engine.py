@@ -3,9 +3,9 @@
 One ``step`` schedules running requests first (decode or the next prefill chunk),
 preempting the lowest-priority running request when slots run out, then admits waiting
 requests under the token budget, then "executes": writes every computed position's
-fingerprint into paged memory, checking at each write that the block is the writer's own.
-Reading the data back is the checker's job (``kvprop.check.invariants``), as is everything else
-that judges the allocator; the engine only offers hooks where it hands blocks over.
+fingerprint into paged memory. It judges nothing: it calls hooks where blocks change
+hands (around every allocation, at the connector hand-off, before every write), and the
+checker (``kvprop.check.checker``) implements them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import attrs
 
 from kvprop.allocator.hashing import fingerprint
 from kvprop.allocator.specs import EngineConfig, cdiv
-from kvprop.errors import RequestError, Violation
+from kvprop.errors import RequestError
+from kvprop.sim.boundary import Boundary
 from kvprop.sim.connector import Connector
 from kvprop.sim.memory import PagedMemory
 from kvprop.sim.request import Request, Status
@@ -45,6 +46,15 @@ class Hooks:
     def after_free(self, engine, request) -> None:
         pass
 
+    def at_handoff(self, engine, request, tables, num_local: int, num_external: int) -> None:
+        """The blocks allocated for external tokens are about to be handed to the connector."""
+
+    def before_load_write(self, engine, request, block_ids) -> None:
+        """An asynchronous load is about to write ``block_ids`` ((group, block id) pairs)."""
+
+    def before_write(self, engine, request, group: int, table, start: int, num_tokens: int) -> None:
+        """``request`` is about to compute positions [start, start + num_tokens) of ``group`` into ``table``."""
+
 
 @attrs.define
 class StepReport:
@@ -58,6 +68,7 @@ class Engine:
     def __init__(self, config: EngineConfig, allocator, view, device: str | None = None, hooks: Hooks | None = None):
         self.config = config
         self.allocator = allocator
+        self.boundary = Boundary(allocator)
         self.view = view
         self.specs = config.allocator.groups
         self.block_size = config.allocator.block_size
@@ -68,34 +79,13 @@ class Engine:
             if config.connector == "off"
             else Connector(config.connector, self.memory, self.block_size, len(self.specs))
         )
-        self.registry: dict[int, tuple] = {}
-        self._expected_rows: dict = {}
+        self.registry: dict[int, tuple] = {}  # block hash -> (block index, prefix hashes): what it names
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}
         self.events: Counter = Counter()
         self.next_id = 0
-
-    # ---- what correct data looks like ---------------------------------------------------
-
-    @staticmethod
-    def own_cache_key(block_hash: int, group: int):
-        """The cache key a request's block with kvprop hash ``block_hash`` carries in ``group`` once
-        cached (targets report their keys in these terms)."""
-        return (block_hash, group)
-
-    def expected_cached_row(self, key):
-        """(first position, fingerprints) a block cached under ``key`` must hold, if the hash is known."""
-        row = self._expected_rows.get(key)
-        if row is None:
-            known = self.registry.get(key[0])
-            if known is None:
-                return None
-            index, prefix = known
-            start = index * self.block_size
-            row = self._expected_rows[key] = (start, [fingerprint(key[1], start + j, h) for j, h in enumerate(prefix)])
-        return row
 
     # ---- requests -------------------------------------------------------------------
 
@@ -118,7 +108,7 @@ class Engine:
             )
         rid = f"r{self.next_id}"
         self.next_id += 1
-        request = Request(rid, prompt, max_new_tokens, self.block_size, self.config.vocab, self.next_id, self.registry)
+        request = Request(rid, prompt, max_new_tokens, self.block_size, self.config.vocab, self.registry)
         self.requests[rid] = request
         self.waiting.append(request)
         return request
@@ -133,7 +123,7 @@ class Engine:
         return request.status in (Status.RUNNING, Status.LOADING, Status.ABORTING)
 
     def _free(self, request: Request) -> None:
-        self.allocator.free(request)
+        self.boundary.free(request)
         self.hooks.after_free(self, request)
 
     def _retire(self, request: Request, status: Status) -> None:
@@ -185,7 +175,7 @@ class Engine:
         self.events[EV_PREEMPT] += 1
 
     def reset_prefix_cache(self) -> bool:
-        return self.allocator.reset_prefix_cache()
+        return self.boundary.reset_prefix_cache()
 
     # ---- external loads ---------------------------------------------------------------
 
@@ -196,7 +186,7 @@ class Engine:
             raise RequestError(f"finish_load: no load in flight for {request_id!r}; in flight: {sorted(self.loading)}")
         load = self.connector.pending[request_id]
         if ok:
-            self._check_owned(request, load.block_ids, "connector-write-unowned")
+            self.hooks.before_load_write(self, request, load.block_ids)
         self.connector.finish_load(request_id, ok)
         del self.loading[request_id]
         if request.status is Status.ABORTING:
@@ -204,7 +194,7 @@ class Engine:
             self._retire(request, Status.ABORTED)
         elif ok:
             request.num_computed_tokens += request.pending_external
-            self.allocator.cache_blocks(request, request.num_computed_tokens)
+            self.boundary.cache_blocks(request, request.num_computed_tokens)
             request.status = Status.RUNNING
             self.running.append(request)
         else:
@@ -216,46 +206,11 @@ class Engine:
             self.waiting.appendleft(request)
         request.pending_external = 0
 
-    def _check_owned(self, request: Request, block_ids, kind: str) -> None:
-        """Blocks about to be written for ``request`` must still be its own, and only its own."""
-        tables = self.allocator.get_block_ids(request.request_id)
-        for group, block_id in block_ids:
-            table = tables[group] if group < len(tables) else []
-            ref_cnt = self.view.ref_cnt(block_id)
-            if block_id not in table or ref_cnt != 1:
-                raise Violation(
-                    kind,
-                    f"block {block_id} is written for {request.request_id!r} group {group} but "
-                    f"{'is not in its table' if block_id not in table else f'has ref_cnt {ref_cnt}'}",
-                    blocks=[block_id],
-                    requests=[request.request_id],
-                    groups=[group],
-                )
-
-    def _check_write_target(self, request: Request, group: int, index: int, block_id: int) -> None:
-        """A block being computed into is the writer's alone, unless it is a cached full block
-        of the same prefix (another request may hit it in the same step, before it is written)."""
-        ref_cnt = self.view.ref_cnt(block_id)
-        if ref_cnt == 1:
-            return
-        hashes = request.block_hashes
-        own_key = self.own_cache_key(hashes[index], group) if index < len(hashes) else None
-        key = self.view.cache_key(block_id)
-        if ref_cnt < 1 or own_key is None or key != own_key:
-            raise Violation(
-                "write-to-shared-block",
-                f"{request.request_id!r} group {group} computes into block {block_id} (index {index}) with "
-                f"ref_cnt {ref_cnt} and cache key {key}, expected its own key {own_key}",
-                blocks=[block_id],
-                requests=[request.request_id],
-                groups=[group],
-            )
-
     # ---- scheduling -------------------------------------------------------------------
 
     def _allocate(self, request: Request, num_new_tokens: int, **kwargs):
         token = self.hooks.before_allocation(self, request)
-        result = self.allocator.allocate_slots(request, num_new_tokens, **kwargs)
+        result = self.boundary.allocate_slots(request, num_new_tokens, **kwargs)
         computed = (
             request.num_computed_tokens
             + kwargs.get("num_new_computed_tokens", 0)
@@ -294,7 +249,7 @@ class Engine:
     def _admit(self, report: StepReport, budget: int) -> int:
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            hits, num_hit = self.allocator.get_computed_blocks(request)
+            hits, num_hit = self.boundary.get_computed_blocks(request)
             ext = 0
             if self.connector is not None and not request.load_failed:
                 ext = self.connector.num_new_matched_tokens(request, num_hit)
@@ -316,15 +271,16 @@ class Engine:
             report.admitted.append(request.request_id)
             request.num_computed_tokens = num_hit
             if ext > 0:
-                tables = self.allocator.get_block_ids(request.request_id)
-                self.connector.start_load(request, self.view, tables, num_hit, ext)
+                tables = self.boundary.get_block_ids(request.request_id)
+                self.hooks.at_handoff(self, request, tables, num_hit, ext)
+                self.connector.start_load(request, self.view.null_block_id, tables, num_hit, ext)
                 if load_async:
                     request.status = Status.LOADING
                     request.pending_external = ext
                     self.loading[request.request_id] = request
                     continue
                 request.num_computed_tokens += ext
-                self.allocator.cache_blocks(request, min(request.num_computed_tokens + n, request.num_tokens))
+                self.boundary.cache_blocks(request, min(request.num_computed_tokens + n, request.num_tokens))
             request.status = Status.RUNNING
             self.running.append(request)
             report.scheduled[request.request_id] = n
@@ -341,37 +297,20 @@ class Engine:
                 self.events[EV_CROSS_GROUP] += 1
 
     def _execute(self, report: StepReport) -> None:
-        """Write every newly computed position (one scatter), checking each target block first."""
+        """Write every newly computed position (one scatter), after the hook has seen each target block."""
         bs = self.block_size
         slots, values, offload = [], [], []
-        null = self.view.null_block_id
         for rid, n in report.scheduled.items():
             request = self.requests[rid]
             start = request.num_computed_tokens
-            tables = self.allocator.get_block_ids(rid)
+            tables = self.boundary.get_block_ids(rid)
             for g, table in enumerate(tables):
-                if start + n > len(table) * bs:
-                    raise Violation(
-                        "table-too-short",
-                        f"{rid!r} group {g} computes positions [{start}, {start + n}) with only {len(table)} blocks",
-                        requests=[rid],
-                        groups=[g],
-                    )
-                for index in range(start // bs, cdiv(start + n, bs)):
-                    block_id = table[index]
-                    if block_id == null:
-                        raise Violation(
-                            "write-to-null-block",
-                            f"{rid!r} group {g} computes into block index {index}, which is the null block",
-                            blocks=[null],
-                            requests=[rid],
-                            groups=[g],
-                        )
-                    self._check_write_target(request, g, index, block_id)
-                    if (index + 1) * bs <= start + n and self.connector is not None:
-                        key = self.view.cache_key(block_id)
+                self.hooks.before_write(self, request, g, table, start, n)
+                if self.connector is not None:
+                    for index in range(start // bs, (start + n) // bs):
+                        key = self.view.cache_key(table[index])
                         if key is not None:
-                            offload.append((key[0], g, block_id))
+                            offload.append((key[0], g, table[index]))
                 prefix = request.prefix
                 for p in range(start, start + n):
                     slots.append(table[p // bs] * bs + p % bs)

@@ -35,14 +35,13 @@ class Request:
         "prefix",
         "num_computed_tokens",
         "status",
-        "arrival",
         "num_preemptions",
         "load_failed",
         "pending_external",
         "registry",
     )
 
-    def __init__(self, request_id, prompt, max_new_tokens, block_size, vocab, arrival=0, registry=None):
+    def __init__(self, request_id, prompt, max_new_tokens, block_size, vocab, registry=None):
         self.request_id = request_id
         self.tokens: list[int] = []
         self.num_prompt_tokens = len(prompt)
@@ -53,7 +52,6 @@ class Request:
         self.prefix: list[int] = []
         self.num_computed_tokens = 0
         self.status = Status.WAITING
-        self.arrival = arrival
         self.num_preemptions = 0
         self.load_failed = False
         self.pending_external = 0

@@ -1,0 +1,57 @@
+"""Every violation kind, with the invariant it belongs to and the sentence it breaks.
+
+One registry, so a kind cannot be worded two ways: each kind is raised by exactly one
+function in ``kvprop.check.invariants`` (a test walks the code to hold that), and
+``docs/design.md`` says why each sentence holds for a correct allocator.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class Kind:
+    name: str
+    invariant: int
+    sentence: str
+
+
+KINDS = {
+    k.name: k
+    for k in (
+        Kind("ref-cnt-mismatch", 1, "a block's ref_cnt equals the number of table entries holding it"),
+        Kind("negative-ref-cnt", 2, "no block's ref_cnt is negative"),
+        Kind("free-queue-membership", 2, "a block is in the free queue exactly when its ref_cnt is 0"),
+        Kind("free-queue-links", 2, "the free queue's links agree forwards and backwards"),
+        Kind("free-queue-repeat", 2, "no block appears twice in the free queue"),
+        Kind("free-count", 2, "the free count equals the blocks linked into the free queue"),
+        Kind("null-block-free", 2, "the null block is never in the free queue"),
+        Kind("block-in-two-groups", 3, "a live block belongs to one group"),
+        Kind("duplicate-in-table", 3, "no table holds a block twice"),
+        Kind("shared-uncached-block", 3, "only cached blocks are shared between tables"),
+        Kind("null-block-cached", 4, "the null block is never cached"),
+        Kind("cache-map-missing", 4, "a block that says it is cached is in the cache map under its key"),
+        Kind("cache-map-stale", 4, "the cache map holds a block only under the key the block carries"),
+        Kind("cache-key-group", 4, "a cache key names one of the allocator's groups"),
+        Kind("conservation", 5, "blocks in use + free + the null block = all blocks"),
+        Kind("table-without-admission", 6, "only admitted requests have tables"),
+        Kind("admitted-without-table", 6, "every admitted request has a table and a cached count in every group"),
+        Kind("table-length", 6, "a table covers the computed tokens and no more than the request can use"),
+        Kind("null-in-attended-range", 6, "the null block stands only where the attention type skips"),
+        Kind("cached-count", 6, "a request's cached-block count fits its table and its full blocks"),
+        Kind("cached-block-lost-hash", 6, "a block counted as cached carries the request's own hash"),
+        Kind("table-too-short", 6, "a table has a block for every position being computed"),
+        Kind("data-mismatch", 7, "every computed position and cached block reads back its fingerprint"),
+        Kind("write-to-null-block", 7, "nothing is computed into the null block"),
+        Kind("write-to-shared-block", 7, "a block being computed into is the writer's alone (or its own cached block)"),
+        Kind("connector-handoff", 7, "blocks handed to the connector are exclusively owned and uncached"),
+        Kind("connector-write-unowned", 7, "a completing load writes only blocks its request still owns alone"),
+        Kind("refusal-changed-table", 8, "a refused allocation leaves the request's tables as they were"),
+        Kind("refusal-changed-ref-cnt", 8, "a refused allocation moves no ref_cnt but the skipped blocks it freed"),
+        Kind("refusal-changed-cache", 8, "a refused allocation changes no cache key"),
+        Kind("refusal-changed-queue", 8, "a refused allocation neither reorders nor takes from the free queue"),
+        Kind("refusal-changed-state", 8, "a refused allocation changes no block but the skipped blocks it freed"),
+        Kind("liveness", 9, "with arrivals stopped, every request ends and every block returns"),
+    )
+}

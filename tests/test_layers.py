@@ -1,0 +1,68 @@
+"""The package's layers: imports flow allocator -> sim -> check -> targets -> search -> repro -> top, never back."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "kvprop"
+LAYERS = ("allocator", "sim", "check", "targets", "search", "repro", "top")
+FOUNDATION = {"kvprop", "kvprop.__version__", "kvprop.errors"}  # the version string and the shared exceptions, below every layer
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYERS) else "top"
+
+
+def modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        yield name, path
+
+
+def imports_of(path: Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+            yield from (f"{node.module}.{alias.name}" for alias in node.names)
+
+
+def backward_imports():
+    found = []
+    for name, path in modules():
+        here = LAYERS.index(layer_of(name))
+        for imported in imports_of(path):
+            if not imported.startswith("kvprop") or imported in FOUNDATION:
+                continue
+            there = layer_of(imported)
+            if there in LAYERS and LAYERS.index(there) > here:
+                found.append(f"{name} imports {imported}")
+    return found
+
+
+def test_no_module_imports_a_higher_layer():
+    assert backward_imports() == []
+
+
+@pytest.mark.parametrize("layer", ["allocator", "sim", "check", "targets", "search", "repro"])
+def test_every_layer_says_what_it_holds(layer):
+    doc = ast.get_docstring(ast.parse((PACKAGE / layer / "__init__.py").read_text()))
+    assert doc and len(doc) > 80
+
+
+@pytest.mark.parametrize("module", ["kvprop.search.trace", "kvprop.allocator.manager"])
+def test_reading_a_trace_or_building_the_allocator_needs_neither_torch_nor_the_engine(module):
+    probe = (
+        f"import sys, {module}; "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('kvprop.sim', 'kvprop.check'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
