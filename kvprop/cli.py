@@ -1,318 +1,172 @@
-"""The ``kvprop`` command: fuzz | replay | shrink | emit-test | bugs | variants | bench."""
+"""The ``kvprop`` command: parsing, validation of every value, and exit codes that mean one thing.
+
+Exit codes: 0 clean (steps ran and nothing failed), 1 a violation or target crash found or
+reproduced, 2 unusable input or configuration (the message says what and what is allowed),
+3 an error of kvprop itself (one line; ``--debug`` shows the traceback), 130 interrupted.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
+import math
+import os
 import signal
 import sys
 import time
-from pathlib import Path
+import traceback
 
 from kvprop import __version__
-from kvprop.errors import ConfigError, KvpropError
+from kvprop.errors import KvpropError
 
-EXIT_FOUND, EXIT_BAD_INPUT = 1, 2
-
-
-def _print_steps(trace, variant, target, device) -> object:
-    from kvprop.search.execute import execute
-
-    def show(i, op, outcome):
-        print(f"  {i:3d}: {op!r}\n       -> {outcome}")
-
-    print(f"config: {trace.config!r}")
-    failure = execute(trace, variant=variant, target=target, device=device, on_step=show)
-    if failure is not None:
-        where = (
-            "the final drain"
-            if failure.step >= len(trace.steps)
-            else f"step {failure.step}: {trace.steps[failure.step]!r}"
-        )
-        print(f"  FAILED at {where}\n  {failure.message}")
-    return failure
+EXIT_CLEAN, EXIT_FOUND, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+DRIVERS = ("walk", "hypothesis")  # kvprop.search.trace.DRIVERS, without importing it for --help
+MAX_OPS = 10_000
+MAX_SEED = 2**63 - 1
 
 
-def cmd_fuzz(args) -> int:
-    from kvprop.search import fuzz
-    from kvprop.targets.variants import get_variant
-
-    get_variant(args.variant)
-    if args.target not in (None, "kvprop"):
-        from kvprop.targets import load_factory
-
-        load_factory(args.target)  # a bad target is a clear error here, not a crash in every worker
-    if args.seconds <= 0 or args.workers < 1:
-        raise ConfigError(f"--seconds must be > 0 and --workers >= 1, got {args.seconds} and {args.workers}")
-    if args.canary and not _canary(args):
-        return EXIT_FOUND + 2
-    opts = fuzz.FuzzOptions(
-        seconds=args.seconds,
-        workers=args.workers,
-        seed=args.seed,
-        driver=args.driver,
-        variant=args.variant,
-        target=args.target,
-        device=args.device,
-        out=Path(args.out),
-        max_ops=args.max_ops,
-        max_runs=args.max_runs,
-        redis=args.redis,
-    )
-    label = f"variant {args.variant}" if args.variant else f"target {args.target or 'kvprop'}"
-    print(
-        f"kvprop {__version__} fuzz: driver {args.driver}, {label}, {args.workers} workers, "
-        f"{args.seconds:g}s budget, seed {args.seed}",
-        flush=True,
-    )
-    result = fuzz.search(opts, status=lambda line: print(line, flush=True))
-    if result.found is None:
-        print(
-            f"clean: {result.runs:,} runs, {result.steps:,} steps in {result.seconds:.1f}s, "
-            f"events reached: {len(result.events)}"
-        )
-        return 0
-    best = result.found
-    if not result.shared:
-        from kvprop.repro.minimise import minimise
-
-        best = minimise(result.found, variant=args.variant, target=args.target, device=args.device)
-    if result.shared:
-        print(f"\nFOUND {best.failure.kind} by another machine (shared store); {len(best.steps)} operations:")
-    else:
-        print(
-            f"\nFOUND {best.failure.kind} after {result.seconds_to_find:.1f}s ({args.driver} seed "
-            f"{result.found.seed}); {len(result.found.steps)} operations minimised to {len(best.steps)}:"
-        )
-    _print_steps(best, args.variant, args.target, args.device)
-    from kvprop.repro import counterexample
-
-    trace_path, test_path = counterexample.write(best, Path(args.out))
-    print(f"\nwrote {trace_path}\nwrote {test_path}\nreplay: kvprop replay {trace_path}")
-    return EXIT_FOUND
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def _canary(args) -> bool:
-    from kvprop.search import fuzz
-
-    print("canary: searching for the known bug 'interleaved-external-alloc' first ...", flush=True)
-    opts = fuzz.FuzzOptions(
-        seconds=args.canary_seconds,
-        workers=args.workers,
-        seed=args.seed,
-        driver="walk",
-        variant="interleaved-external-alloc",
-        device=args.device,
-    )
-    result = fuzz.search(opts)
-    if result.found is None:
-        print(
-            f"canary FAILED: the known bug was not found in {args.canary_seconds:g}s; refusing to fuzz "
-            f"(the harness would not find a real one either)"
-        )
-        return False
-    print(f"canary ok: found {result.found.failure.kind} in {result.seconds_to_find:.2f}s", flush=True)
-    return True
+# ---- value types: a bad value is argparse's error (exit 2), never a silent clamp ----------
 
 
-def cmd_replay(args) -> int:
-    from kvprop.search import trace as tr
-
-    trace = tr.load(args.file)
-    variant = args.variant if args.variant is not None else trace.variant
-    target = args.target if args.target is not None else trace.target
-    print(
-        f"replaying {args.file} ({len(trace.steps)} operations) on variant {variant or 'correct'}, "
-        f"target {target or 'kvprop'}"
-    )
-    failure = _print_steps(trace, variant, target, args.device)
-    if failure is None:
-        print("PASSED: the trace no longer fails")
-        return 0
-    recorded = trace.failure.kind if trace.failure else None
-    same = "the recorded violation" if recorded == failure.kind else f"recorded: {recorded}"
-    print(f"REPRODUCED {failure.kind} ({same})")
-    return EXIT_FOUND
-
-
-def cmd_shrink(args) -> int:
-    import attrs
-
-    from kvprop.repro.minimise import minimise
-    from kvprop.search import trace as tr
-
-    trace = tr.load(args.file)
-    variant = args.variant if args.variant is not None else trace.variant
-    target = args.target if args.target is not None else trace.target
+def _integer(text: str, lo: int, hi: int, what: str) -> int:
     try:
-        best = minimise(trace, variant=variant, target=target, device=args.device)
-    except ValueError as e:
-        print(f"cannot shrink: {e}")
-        return 0
-    best = attrs.evolve(best, variant=variant, target=target)
-    out = Path(args.out or args.file)
-    tr.save(best, out)
-    print(f"{len(trace.steps)} operations -> {len(best.steps)}; wrote {out}")
-    _print_steps(best, variant, target, args.device)
-    return EXIT_FOUND
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer {what}, got {text!r}") from None
+    if not lo <= value <= hi:
+        raise argparse.ArgumentTypeError(f"expected an integer {what}, got {value}")
+    return value
 
 
-def cmd_emit_test(args) -> int:
-    from kvprop.repro import regress
-    from kvprop.search import trace as tr
-
-    trace = tr.load(args.file)
-    source = regress.render(trace, source=Path(args.file).name)
-    out = Path(args.out) if args.out else Path(args.file).with_name(f"test_{regress.test_name(trace)}.py")
-    out.write_text(source)
-    print(f"wrote {out}")
-    return 0
+def positive_int(text: str) -> int:
+    return _integer(text, 1, MAX_SEED, ">= 1")
 
 
-def cmd_bugs(args) -> int:
-    from kvprop.repro.minimise import minimise
-    from kvprop.search import fuzz
-    from kvprop.search.machine import trace_length
-    from kvprop.targets.variants import VARIANTS
-
-    rows = []
-    for name in VARIANTS:
-        opts = fuzz.FuzzOptions(
-            seconds=args.seconds_per_bug,
-            workers=args.workers,
-            seed=args.seed,
-            driver=args.driver,
-            variant=name,
-            device=args.device,
-        )
-        result = fuzz.search(opts)
-        best = minimise(result.found, variant=name, device=args.device) if result.found else None
-        rows.append(
-            {
-                "variant": name,
-                "driver": args.driver,
-                "found": result.found is not None,
-                "seconds": round(result.seconds_to_find, 3) if result.found else None,
-                "steps": result.steps if result.found else None,
-                "shrunk_steps": trace_length(best) if best else None,
-            }
-        )
-        if not args.json:
-            r = rows[-1]
-            print(
-                f"{name:30s} {'found' if r['found'] else 'NOT FOUND':9s} "
-                f"{(str(r['seconds']) + 's') if r['found'] else '-':>9s} {str(r['steps'] or '-'):>9s} steps "
-                f"{str(r['shrunk_steps'] or '-'):>4s} minimised",
-                flush=True,
-            )
-    if args.json:
-        print(json.dumps(rows, indent=1))
-    return 0 if all(r["found"] for r in rows) else EXIT_FOUND
+def operations(text: str) -> int:
+    return _integer(text, 1, MAX_OPS, f"in [1, {MAX_OPS:,}]")
 
 
-def cmd_variants(args) -> int:
-    from kvprop.targets.variants import VARIANTS
-
-    for v in VARIANTS.values():
-        print(f"{v.name:30s} {v.bug}")
-    return 0
+def seed(text: str) -> int:
+    return _integer(text, 0, MAX_SEED, "in [0, 2**63)")
 
 
-def cmd_bench(args) -> int:
-    from kvprop import bench
+def workers(text: str) -> int:
+    limit = 4 * cores()
+    return _integer(text, 1, limit, f"in [1, {limit}] (4 x the {cores()} cores here)")
 
-    return bench.main(quick=args.quick, as_json=args.json)
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text!r}")
+    return value
+
+
+# ---- the parser ---------------------------------------------------------------------------
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvprop.search.fuzz import DRIVERS, default_workers
+    from kvprop import commands as c
 
-    p = argparse.ArgumentParser(
-        prog="kvprop", description="Stateful property-based testing of paged, prefix-caching KV-cache allocators."
-    )
+    p = argparse.ArgumentParser(prog="kvprop", description=__doc__.split("\n")[0], formatter_class=_Formatter)
     p.add_argument("--version", action="version", version=f"kvprop {__version__}")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an internal error")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def target_args(sp, variant_help="bug variant of kvprop's allocator (see `kvprop variants`)"):
+    def command(name, func, help_text):
+        sp = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_Formatter)
+        sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        sp.set_defaults(func=func)
+        return sp
+
+    def target_args(sp, variant_help="bug variant of kvprop's allocator (see `kvprop variants`); kvprop target only"):
         sp.add_argument("--variant", default=None, help=variant_help)
         sp.add_argument("--target", default=None, help="'kvprop' (default), 'vllm', or package.module:factory")
-        sp.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present)")
+        sp.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present, else cpu)")
 
-    f = sub.add_parser("fuzz", help="search for a violation until the budget ends")
-    f.add_argument("--seconds", type=float, default=60.0)
-    f.add_argument("--workers", type=int, default=default_workers())
-    f.add_argument("--seed", type=int, default=int(time.time()) % 1_000_000)
+    f = command("fuzz", c.cmd_fuzz, "search for a violation until the budget ends (exit 1 found, 0 clean)")
+    f.add_argument("--seconds", type=seconds, default=60.0, help="time budget, counted from the command's start")
+    f.add_argument("--workers", type=workers, default=cores(), help="worker processes (default: the cores)")
     f.add_argument(
-        "--driver",
-        default="walk",
-        choices=DRIVERS,
-        help="the search driver: walk (fast seeded walker, default) or hypothesis (the state machine)",
+        "--seed", type=seed, default=None, help="run seed; each walk's seed is a hash of it (default: from the clock)"
     )
-    f.add_argument("--out", default="counterexamples")
-    f.add_argument("--max-ops", type=int, default=200, help="operations per walk run")
     f.add_argument(
-        "--max-runs",
-        type=int,
-        default=None,
-        help="stop each worker after this many runs/examples (a deterministic budget, for CI)",
+        "--driver", default="walk", choices=DRIVERS, help="walk: fast seeded walker; hypothesis: state machine"
     )
-    f.add_argument("--canary", action="store_true", help="first prove the harness finds a known bug")
+    f.add_argument("--out", default="counterexamples", help="where traces and regression tests are written")
+    f.add_argument("--max-ops", type=operations, default=200, help="operations per walk")
     f.add_argument(
-        "--redis",
-        default=None,
-        metavar="URL",
-        help="share failures with other machines through Redis (needs the redis extra)",
+        "--max-runs", type=positive_int, default=None, help="each worker stops after this many runs/examples"
     )
-    f.add_argument("--canary-seconds", type=float, default=30.0)
+    f.add_argument(
+        "--canary", action="store_true", help="first prove the checks find a fault switched on in the target"
+    )
+    f.add_argument("--canary-seconds", type=seconds, default=30.0, help="budget of the canary search")
+    f.add_argument("--redis", default=None, metavar="URL", help="share finds with other machines through Redis")
+    f.add_argument("--fresh", action="store_true", help="hypothesis driver: ignore the example database (.hypothesis/)")
+    f.add_argument("--json", action="store_true", help="print one JSON summary on stdout (progress goes to stderr)")
     target_args(f)
-    f.set_defaults(func=cmd_fuzz)
 
-    r = sub.add_parser("replay", help="re-execute a trace step by step (exit 1: reproduces, 0: passes, 2: bad file)")
+    r = command("replay", c.cmd_replay, "re-execute a trace step by step (exit 1 reproduces, 0 passes, 2 bad file)")
     r.add_argument("file")
     target_args(r, "replay on this variant instead of the recorded one ('correct' for the fixed allocator)")
-    r.set_defaults(func=cmd_replay)
 
-    s = sub.add_parser("shrink", help="minimise an existing trace")
-    s.add_argument("file")
-    s.add_argument("--out", default=None, help="where to write (default: overwrite FILE)")
-    target_args(s)
-    s.set_defaults(func=cmd_shrink)
+    m = command("minimise", c.cmd_minimise, "minimise an existing trace (exit 1: still fails, written)")
+    m.add_argument("file")
+    m.add_argument("--out", default=None, help="where to write (default: overwrite FILE)")
+    target_args(m)
 
-    e = sub.add_parser("emit-test", help="write the standalone pytest regression test for a trace")
+    e = command("emit-test", c.cmd_emit_test, "write the standalone pytest regression test for a trace")
     e.add_argument("file")
-    e.add_argument("--out", default=None)
-    e.set_defaults(func=cmd_emit_test)
+    e.add_argument("--out", default=None, help="test file to write (default: test_<name>.py beside FILE)")
 
-    b = sub.add_parser("bugs", help="fuzz every bug variant from scratch and tabulate")
-    b.add_argument("--seconds-per-bug", type=float, default=30.0)
-    b.add_argument("--driver", default="walk", choices=DRIVERS, help="the search driver (default: walk)")
-    b.add_argument("--workers", type=int, default=1)
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--device", default=None)
-    b.add_argument("--json", action="store_true")
-    b.set_defaults(func=cmd_bugs)
+    b = command("bugs", c.cmd_bugs, "fuzz every bug variant from scratch and tabulate (exit 0: all found)")
+    b.add_argument("--seconds-per-bug", type=seconds, default=30.0, help="budget per variant")
+    b.add_argument("--driver", default="walk", choices=DRIVERS, help="the search driver")
+    b.add_argument("--workers", type=workers, default=1, help="worker processes per search")
+    b.add_argument("--seed", type=seed, default=0, help="run seed")
+    b.add_argument("--device", default=None, help="cpu | cuda | cuda:N")
+    b.add_argument("--json", action="store_true", help="print the table as JSON")
 
-    v = sub.add_parser("variants", help="list the bug variants")
-    v.set_defaults(func=cmd_variants)
+    command("variants", c.cmd_variants, "list the bug variants of kvprop's allocator ('correct' has none)")
 
-    bench = sub.add_parser("bench", help="throughput, scaling and time-to-find tables")
-    bench.add_argument("--json", action="store_true")
-    bench.add_argument("--quick", action="store_true")
-    bench.set_defaults(func=cmd_bench)
+    bench = command("bench", c.cmd_bench, "throughput, scaling and time-to-find tables")
+    bench.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+    bench.add_argument("--quick", action="store_true", help="shorter runs")
     return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    args.started = time.monotonic()
     try:
         return args.func(args)
     except KvpropError as e:
         print(f"kvprop {args.command}: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - an error of kvprop itself: one line, never a "find"
+        if args.debug:
+            traceback.print_exc()
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        hint = "" if args.debug else " (run with --debug for the traceback)"
+        print(f"kvprop {args.command}: internal error: {type(e).__name__}: {first}{hint}", file=sys.stderr)
+        if args.debug and getattr(e, "args", None) and "\n" in str(e):
+            print(str(e), file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

@@ -11,6 +11,10 @@ class ConfigError(KvpropError, ValueError):
     """A configuration value is out of range; the message names the field and the range."""
 
 
+class LimitError(KvpropError):
+    """An input asks for more than any real run produces (a hand-made or hostile trace)."""
+
+
 class AllocatorError(KvpropError):
     """The allocator was asked for something its contract forbids (e.g. more blocks than free)."""
 

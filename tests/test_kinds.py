@@ -6,7 +6,15 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+from helpers import engine
+
+from kvprop.allocator.block_pool import Block
+from kvprop.allocator.specs import FullAttention, SlidingWindow
+from kvprop.check.checker import Checker, drain
 from kvprop.check.kinds import KINDS
+from kvprop.errors import Violation
+from kvprop.sim.request import Status
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvprop"
 
@@ -44,3 +52,473 @@ def test_each_kind_is_raised_by_exactly_one_function():
 
 def test_every_kind_is_raised_by_the_invariants_module():
     assert {k for k, f in raised_kinds().items() if any(not w.startswith("check/invariants.py") for w in f)} == set()
+
+
+# ---- every kind fires: build a sound state by real calls, break one thing, name the kind ----
+#
+# Each case starts from a state the checker passes, breaks one thing, runs the check that
+# owns the sentence and asserts the kind it reports. Where a kind is judged both by the full
+# sweep and by the incremental mirror, the same corruption goes through both paths.
+
+# Kinds no state reaches, with why; the coverage test below holds this list to the truth.
+UNREACHABLE: set = set()
+
+GROUPS = (FullAttention(4), SlidingWindow(4, 8))
+SHARED = [1, 2, 3, 1, 2, 3, 1, 2]  # two full blocks r0 and r1 share
+
+
+def sound_engine(**engine_kwargs):
+    """Three running requests over a 24-block pool, checked sound.
+
+    r0 and r1 share two cached prefix blocks per group (ref_cnt 2); r2 holds two cached blocks
+    of its own per group; every request's last block is partial and uncached; 9 blocks are free.
+    """
+    eng = engine(GROUPS, 24, **engine_kwargs)
+    eng.add_request(SHARED + [3], 4)
+    eng.add_request(SHARED + [0, 0], 4)
+    eng.add_request([3, 3, 0, 0, 3, 3, 0, 0, 1], 4)
+    eng.step()
+    Checker().check_full(eng)
+    return eng
+
+
+def pool(eng):
+    return eng.allocator.pool
+
+
+def manager(eng, group):
+    return eng.allocator.coordinator.managers[group]
+
+
+def table(eng, rid, group):
+    """The allocator's own table (block objects), to corrupt in place."""
+    return manager(eng, group).req_to_blocks[rid]
+
+
+# ---- block-level corruptions: each breaks one thing and returns the block ids it touched ----
+
+
+def bump_ref_cnt(eng):
+    block = table(eng, "r0", 0)[2]  # r0's own partial block, ref_cnt 1
+    block.ref_cnt += 1
+    return [block.block_id]
+
+
+def unlink_free_block(eng):
+    block = pool(eng).free_queue.head.next  # free, ref_cnt 0, now out of the queue
+    pool(eng).free_queue.remove(block)
+    return [block.block_id]
+
+
+def break_backward_link(eng):
+    queue = pool(eng).free_queue
+    block = queue.head.next.next  # its prev skips the first free block
+    block.prev = queue.head
+    return [block.block_id]
+
+
+def link_twin_of_free_block(eng):
+    """A second record of a free block's id linked into the queue (the same object twice
+    would make the queue a cycle)."""
+    queue = pool(eng).free_queue
+    twin = Block(queue.head.next.block_id)
+    queue.append(twin)
+    return [twin.block_id]
+
+
+def overcount_free(eng):
+    pool(eng).free_queue.num_free += 1
+    return []
+
+
+def free_null_block(eng):
+    pool(eng).free_queue.append(pool(eng).null_block)
+    return [pool(eng).null_block.block_id]
+
+
+def swap_groups_in_one_table(eng):
+    """r1's first group-0 and group-1 blocks change places: each shared block is then held
+    once in each group, with ref_cnt still equal to its holders."""
+    t0, t1 = table(eng, "r1", 0), table(eng, "r1", 1)
+    t0[0], t1[0] = t1[0], t0[0]
+    return [t0[0].block_id, t1[0].block_id]
+
+
+def repeat_in_table(eng):
+    t = table(eng, "r0", 0)
+    dropped, t[2] = t[2], t[0]
+    return [t[0].block_id, dropped.block_id]
+
+
+def evict_shared_block(eng):
+    block = table(eng, "r0", 0)[0]  # cached, held by r0 and r1
+    pool(eng)._evict(block)
+    return [block.block_id]
+
+
+def cache_null_block(eng):
+    pool(eng).null_block.key = table(eng, "r0", 0)[0].key
+    return [pool(eng).null_block.block_id]
+
+
+def drop_map_entry(eng):
+    block = table(eng, "r2", 0)[0]  # cached, r2's alone
+    entry = pool(eng).cached[block.key]
+    del entry[block.block_id]
+    if not entry:
+        del pool(eng).cached[block.key]
+    return [block.block_id]
+
+
+def rekey_without_map(eng):
+    """The block's key changes; the map keeps it under the old one."""
+    block = table(eng, "r2", 0)[0]
+    block.key = (block.key[0] ^ 1, block.key[1])
+    return [block.block_id]
+
+
+def cache_for_missing_group(eng):
+    block = table(eng, "r2", 0)[2]  # uncached partial block
+    pool(eng).cache_block(block, 12345, len(GROUPS) + 5)
+    return [block.block_id]
+
+
+def link_foreign_block(eng):
+    """A block id the pool does not have is linked into the free queue (count kept in step)."""
+    queue = pool(eng).free_queue
+    last, foreign = queue.tail.prev, Block(eng.view.num_blocks)
+    foreign.prev, foreign.next = last, queue.tail
+    last.next = queue.tail.prev = foreign
+    queue.num_free += 1
+    return [last.block_id]  # the real block whose link changed
+
+
+def overwrite_cached_data(eng):
+    block = table(eng, "r2", 0)[0]  # cached, and part of running r2's computed prefix
+    eng.memory.data[block.block_id, 0] = 12345
+    return [block.block_id]
+
+
+BLOCK_CASES = [
+    ("ref-cnt-mismatch", bump_ref_cnt),
+    ("free-queue-membership", unlink_free_block),
+    ("free-queue-links", break_backward_link),
+    ("free-queue-repeat", link_twin_of_free_block),
+    ("free-count", overcount_free),
+    ("null-block-free", free_null_block),
+    ("block-in-two-groups", swap_groups_in_one_table),
+    ("duplicate-in-table", repeat_in_table),
+    ("shared-uncached-block", evict_shared_block),
+    ("null-block-cached", cache_null_block),
+    ("cache-map-missing", drop_map_entry),
+    ("cache-map-stale", rekey_without_map),
+    ("cache-key-group", cache_for_missing_group),
+    ("conservation", link_foreign_block),
+    ("data-mismatch", overwrite_cached_data),
+]
+
+# What the incremental path reports where it differs from the full sweep for the same corruption.
+INCREMENTAL_REPORTS = {
+    # The mirror never walks the queue, so it cannot see an id twice; it sees one more free
+    # block counted than it tracks.
+    "free-queue-repeat": "free-count",
+    # The mirror's conservation test (num_blocks - 1 - len(free) in use) is the same arithmetic
+    # as the free-count test just before it, so incrementally conservation can never fire
+    # first: a block outside the pool counted as free reads as free-count.
+    "conservation": "free-count",
+}
+
+
+@pytest.mark.parametrize(("kind", "corrupt"), [pytest.param(k, c, id=k) for k, c in BLOCK_CASES])
+def test_full_sweep_reports_block_kind(kind, corrupt):
+    eng = sound_engine()
+    corrupt(eng)
+    with pytest.raises(Violation) as info:
+        Checker().check_full(eng)
+    assert info.value.kind == kind
+
+
+@pytest.mark.parametrize(("kind", "corrupt"), [pytest.param(k, c, id=k) for k, c in BLOCK_CASES])
+def test_incremental_check_reports_block_kind(kind, corrupt):
+    eng = sound_engine()
+    checker = Checker(full_every=64)
+    checker.check_all(eng)  # builds the mirror
+    assert checker.mirror is not None
+    pool(eng).changed.update(corrupt(eng))
+    with pytest.raises(Violation) as info:
+        checker.check_all(eng)
+    assert checker.num_checks % checker.full_every, "this check must be incremental, not a full sweep"
+    assert info.value.kind == INCREMENTAL_REPORTS.get(kind, kind)
+
+
+@pytest.mark.parametrize("incremental", [False, True], ids=["full", "incremental"])
+def test_negative_ref_cnt_is_reported_before_the_holder_count(incremental):
+    """A negative ref_cnt is named for what it is, not as a mismatch with the holder count."""
+    eng = sound_engine()
+    checker = Checker(full_every=64)
+    checker.check_all(eng)
+    block = pool(eng).free_queue.head.next
+    block.ref_cnt = -1
+    pool(eng).changed.add(block.block_id)
+    with pytest.raises(Violation) as info:
+        checker.check_all(eng) if incremental else checker.check_full(eng)
+    assert info.value.kind == "negative-ref-cnt"
+
+
+# ---- tables against requests (invariant 6), by the full sweep ------------------------------
+
+
+def table_for_waiting_request(eng):
+    waiting = eng.add_request([2, 2, 2, 2, 2], 4)  # no step admits it
+    manager(eng, 0).req_to_blocks[waiting.request_id] = []
+
+
+def drop_cached_count(eng):
+    del manager(eng, 1).num_cached_block["r0"]
+
+
+def over_allocate(eng):
+    """A fourth block for r0, whose 10 tokens fit in three (the pool's accounting stays right)."""
+    manager(eng, 0).allocate_new_blocks("r0", 16)
+
+
+def skip_attended_blocks(eng):
+    """The sliding-window group nulls and frees blocks as if 100 tokens were computed (r0 has 9)."""
+    manager(eng, 1).remove_skipped_blocks("r0", 100)
+
+
+def overcount_cached(eng):
+    manager(eng, 0).num_cached_block["r0"] = 4
+
+
+def evict_counted_block(eng):
+    """r2's first block, counted as cached, is evicted (map and key agree, it is r2's alone)."""
+    pool(eng)._evict(table(eng, "r2", 0)[0])
+
+
+TABLE_CASES = [
+    ("table-without-admission", table_for_waiting_request),
+    ("admitted-without-table", drop_cached_count),
+    ("table-length", over_allocate),
+    ("null-in-attended-range", skip_attended_blocks),
+    ("cached-count", overcount_cached),
+    ("cached-block-lost-hash", evict_counted_block),
+]
+
+
+@pytest.mark.parametrize(("kind", "corrupt"), [pytest.param(k, c, id=k) for k, c in TABLE_CASES])
+def test_full_sweep_reports_table_kind(kind, corrupt):
+    eng = sound_engine()
+    corrupt(eng)
+    with pytest.raises(Violation) as info:
+        Checker().check_full(eng)
+    assert info.value.kind == kind
+
+
+# ---- the in-step hooks and liveness: each scenario sets up, then returns the action that fails ----
+
+
+def decode_engine():
+    """r0 prefilled 8 tokens into two blocks under a checker; its next step decodes position 8,
+    which needs a third block."""
+    eng = engine([FullAttention(4)], 8, hooks=Checker())
+    eng.add_request(SHARED, 4)
+    eng.step()
+    return eng
+
+
+def before_write(eng, corrupt):
+    """Run ``corrupt`` after the step's allocations (checked) and before its writes."""
+    execute = eng._execute
+
+    def corrupted(report):
+        corrupt(eng)
+        execute(report)
+
+    eng._execute = corrupted
+
+
+def allocation_without_blocks():
+    eng = decode_engine()
+    eng.allocator.allocate_slots = lambda request, n, **kw: ([],)  # says yes, allocates nothing
+    return eng.step
+
+
+def null_block_at_write():
+    eng = decode_engine()
+    before_write(eng, lambda e: table(e, "r0", 0).__setitem__(2, pool(e).null_block))
+    return eng.step
+
+
+def shared_block_at_write():
+    eng = decode_engine()
+
+    def share(e):
+        table(e, "r0", 0)[2].ref_cnt += 1  # the fresh, uncached block about to take position 8
+
+    before_write(eng, share)
+    return eng.step
+
+
+def cached_at_handoff():
+    eng = engine([FullAttention(4)], 8, hooks=Checker(), connector="sync")
+    eng.connector.publish_prefix(SHARED + [3])
+    allocate = eng.allocator.allocate_slots
+    # The allocator ignores delay_cache_blocks: blocks an external load will fill are cached at once.
+    eng.allocator.allocate_slots = lambda request, n, **kw: allocate(request, n, **{**kw, "delay_cache_blocks": False})
+    eng.add_request(SHARED + [3], 4)
+    return eng.step
+
+
+def freed_during_load():
+    eng = engine([FullAttention(4)], 8, hooks=Checker(), connector="async")
+    eng.connector.publish_prefix(SHARED + [3])
+    request = eng.add_request(SHARED + [3], 4)
+    eng.step()
+    assert request.status is Status.LOADING
+    eng.allocator.coordinator.free(request.request_id)  # blocks dropped while the load still writes them
+    return lambda: eng.finish_load(request.request_id, ok=True)
+
+
+def request_lost_by_scheduler():
+    checker = Checker()
+    eng = engine([FullAttention(4)], 8, hooks=checker)
+    request = eng.add_request(SHARED, 4)
+    eng.step()
+    eng.running.remove(request)  # still running and holding blocks, but never scheduled again
+    return lambda: drain(eng, checker, max_steps=5)
+
+
+ENGINE_CASES = [
+    ("table-too-short", allocation_without_blocks),
+    ("write-to-null-block", null_block_at_write),
+    ("write-to-shared-block", shared_block_at_write),
+    ("connector-handoff", cached_at_handoff),
+    ("connector-write-unowned", freed_during_load),
+    ("liveness", request_lost_by_scheduler),
+]
+
+
+@pytest.mark.parametrize(("kind", "scenario"), [pytest.param(k, s, id=k) for k, s in ENGINE_CASES])
+def test_engine_reports_kind(kind, scenario):
+    act = scenario()  # setting up raises nothing
+    with pytest.raises(Violation) as info:
+        act()
+    assert info.value.kind == kind
+
+
+def test_engine_scenarios_without_corruption_run_clean():
+    """Each engine scenario above, left alone, steps and drains with every check passing."""
+    eng = decode_engine()
+    eng.step()  # the decode the write-hook cases corrupt
+    drain(eng, eng.hooks)
+    for mode in ("sync", "async"):
+        eng = engine([FullAttention(4)], 8, hooks=Checker(), connector=mode)
+        eng.connector.publish_prefix(SHARED + [3])
+        request = eng.add_request(SHARED + [3], 4)
+        eng.step()  # the hand-off
+        if mode == "async":
+            eng.finish_load(request.request_id, ok=True)  # the load write
+        drain(eng, eng.hooks, max_steps=20)
+
+
+# ---- refusals (invariant 8): the snapshot check and the incremental changed-block check ----
+
+
+def register_table(eng, request, kwargs):
+    manager(eng, 0).req_to_blocks[request.request_id] = []
+
+
+def touch_hits(eng, request, kwargs):
+    pool(eng).touch(kwargs["new_computed_blocks"][0])  # touched before the capacity check
+
+
+def evict_hit(eng, request, kwargs):
+    pool(eng)._evict(kwargs["new_computed_blocks"][0][-1])  # a hit, free and cached, loses its key
+
+
+def rotate_free_queue(eng, request, kwargs):
+    queue = pool(eng).free_queue
+    head = queue.head.next
+    queue.remove(head)
+    queue.append(head)
+
+
+# (corruption, kind from the snapshot check, kind from the incremental check): the incremental
+# check compares tables the same way but sees any other change only as a changed block.
+REFUSAL_CASES = [
+    (register_table, "refusal-changed-table", "refusal-changed-table"),
+    (touch_hits, "refusal-changed-ref-cnt", "refusal-changed-state"),
+    (evict_hit, "refusal-changed-cache", "refusal-changed-state"),
+    (rotate_free_queue, "refusal-changed-queue", "refusal-changed-state"),
+]
+
+
+def refused_admission(checker, corrupt):
+    """An engine whose next step refuses an admission, with ``corrupt`` run inside the refusal.
+
+    r0 (8 tokens, one to produce) finishes in the first step, leaving its two cached blocks
+    free; r1 keeps three. Next step r1 takes a fourth, and r2, which hits r0's blocks but
+    needs five blocks in all, finds three free."""
+    eng = engine([FullAttention(4)], 8, hooks=checker)
+    eng.add_request(SHARED, 1)
+    eng.add_request([3, 3, 0, 0, 3, 3, 0, 0, 3, 3, 0, 0], 4)
+    eng.step()
+    refused = eng.add_request(SHARED + [0] * 12, 1)
+    allocate = eng.allocator.allocate_slots
+
+    def refusing(request, n, **kwargs):
+        result = allocate(request, n, **kwargs)
+        if result is None and request is refused:
+            corrupt(eng, request, kwargs)
+        return result
+
+    eng.allocator.allocate_slots = refusing
+    return eng
+
+
+@pytest.mark.parametrize(("corrupt", "kind"), [pytest.param(c, k, id=k) for c, k, _ in REFUSAL_CASES])
+def test_snapshot_refusal_check_reports_kind(corrupt, kind):
+    checker = Checker(full_every=1)  # not incremental: a snapshot before every allocation
+    eng = refused_admission(checker, corrupt)
+    assert not checker.incremental(eng)
+    with pytest.raises(Violation) as info:
+        eng.step()
+    assert info.value.kind == kind
+
+
+@pytest.mark.parametrize(("corrupt", "kind"), [pytest.param(c, k, id=f"{c.__name__}-{k}") for c, _, k in REFUSAL_CASES])
+def test_incremental_refusal_check_reports_kind(corrupt, kind):
+    checker = Checker(full_every=64)
+    eng = refused_admission(checker, corrupt)
+    assert checker.incremental(eng)
+    with pytest.raises(Violation) as info:
+        eng.step()
+    assert info.value.kind == kind
+
+
+def test_refused_admission_without_corruption_passes():
+    """The refusal scenario is sound on both paths: the corruption alone makes each case fail."""
+    for checker in (Checker(full_every=1), Checker(full_every=64)):
+        eng = refused_admission(checker, lambda *_: None)
+        report = eng.step()
+        assert report.admitted == [] and report.scheduled == {"r1": 1}
+        checker.check_full(eng)
+
+
+# ---- every kind is produced above ----------------------------------------------------------
+
+EXERCISED = (
+    {k for k, _ in BLOCK_CASES}
+    | set(INCREMENTAL_REPORTS.values())
+    | {k for k, _ in TABLE_CASES}
+    | {k for k, _ in ENGINE_CASES}
+    | {k for _, a, b in REFUSAL_CASES for k in (a, b)}
+    | {"negative-ref-cnt"}
+)
+
+
+def test_every_kind_is_produced_by_a_test_here():
+    assert EXERCISED <= set(KINDS)
+    assert EXERCISED.isdisjoint(UNREACHABLE)
+    assert set(KINDS) - EXERCISED == UNREACHABLE

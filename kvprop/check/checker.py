@@ -182,11 +182,11 @@ def drain(engine, checker: Checker, max_steps: int | None = None) -> int:
         if not engine.requests:
             break
         if steps >= max_steps:
-            inv.liveness(engine, engine.view, steps)
+            inv.liveness(engine, steps)
         engine.step()
         steps += 1
         checker.check_all(engine)
     checker.check_full(engine)
     if checker.enabled:
-        inv.liveness(engine, engine.view)
+        inv.liveness(engine)
     return steps

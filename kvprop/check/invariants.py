@@ -27,7 +27,9 @@ def gather_tables(view) -> dict[tuple[str, int], list[int]]:
 
 
 def block_ref_cnt(block_id: int, ref_cnt: int, holders: int, who=()) -> None:
-    """1. ref_cnt(b) equals the number of (request, group) table entries holding b."""
+    """1. ref_cnt(b) is never negative and equals the number of (request, group) table entries holding b."""
+    if ref_cnt < 0:
+        raise Violation("negative-ref-cnt", f"block {block_id} has ref_cnt {ref_cnt}", blocks=[block_id])
     if ref_cnt != holders:
         raise Violation(
             "ref-cnt-mismatch",
@@ -39,8 +41,6 @@ def block_ref_cnt(block_id: int, ref_cnt: int, holders: int, who=()) -> None:
 
 def block_queue_membership(block_id: int, ref_cnt: int, in_queue: bool) -> None:
     """2. b is in the free queue iff ref_cnt(b) == 0 (b is not the null block)."""
-    if ref_cnt < 0:
-        raise Violation("negative-ref-cnt", f"block {block_id} has ref_cnt {ref_cnt}", blocks=[block_id])
     if (ref_cnt == 0) != in_queue:
         where = "in" if in_queue else "not in"
         raise Violation(
@@ -451,9 +451,10 @@ def check_refusal(view, request_id: str, before) -> None:
 # ---- 9. liveness --------------------------------------------------------------------------
 
 
-def liveness(engine, view, steps: int | None = None) -> None:
-    """9. With arrivals stopped, every request ends and every block returns: called after a drain
-    (``steps`` None) and during one, when ``steps`` exceeded the drain's bound."""
+def liveness(engine, steps: int | None = None) -> None:
+    """9. With arrivals stopped, every request ends: called during a drain when ``steps`` exceeded
+    its bound, and after it (``steps`` None). That every block returns then follows from the
+    full sweep the drain ends with: a block held by no table is a ref-cnt-mismatch."""
     if steps is not None or engine.requests:
         after = f"after {steps} drain steps" if steps is not None else "after the drain"
         raise Violation(
@@ -461,9 +462,6 @@ def liveness(engine, view, steps: int | None = None) -> None:
             f"{len(engine.requests)} requests still live {after}: {sorted(engine.requests)}",
             requests=sorted(engine.requests),
         )
-    if view.num_free_blocks != view.num_blocks - 1:
-        held = [b for b, r in enumerate(view.ref_cnts()) if r > 0 and b != view.null_block_id]
-        raise Violation("liveness", f"{len(held)} blocks still held after every request ended", blocks=held)
 
 
 # ---- 6 and 7 at the moments blocks change hands ---------------------------------------------

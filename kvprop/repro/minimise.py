@@ -17,15 +17,22 @@ from kvprop.search.trace import Failure, Trace
 
 
 class Minimiser:
-    def __init__(self, trace: Trace, kind: str, variant=None, target=None, device=None, max_replays: int = 20_000):
+    """``best`` is always a trace that fails like the original: read it after an interrupt too.
+
+    ``progress(best, replays)`` is called whenever a smaller failing trace is kept."""
+
+    def __init__(
+        self, trace: Trace, signature, variant=None, target=None, device=None, max_replays: int = 20_000, progress=None
+    ):
         self.best = trace
-        self.kind = kind
+        self.signature = signature
         self.variant, self.target, self.device = variant, target, device
         self.replays = 0
         self.max_replays = max_replays
+        self.progress = progress
 
     def fails(self, candidate: Trace) -> Failure | None:
-        """The candidate's failure if it is of the same kind, else None."""
+        """The candidate's failure if it fails the same way (same kind, same exception), else None."""
         if self.replays >= self.max_replays:
             return None
         self.replays += 1
@@ -33,7 +40,7 @@ class Minimiser:
             failure = execute(candidate, variant=self.variant, target=self.target, device=self.device)
         except ConfigError:
             return None
-        return failure if failure is not None and failure.kind == self.kind else None
+        return failure if failure is not None and failure.signature == self.signature else None
 
     def accept(self, candidate: Trace) -> bool:
         failure = self.fails(candidate)
@@ -41,11 +48,13 @@ class Minimiser:
             return False
         steps = candidate.steps[: failure.step + 1]  # nothing after the failure matters
         self.best = attrs.evolve(candidate, steps=steps, failure=failure)
+        if self.progress is not None:
+            self.progress(self.best, self.replays)
         return True
 
     def run(self) -> Trace:
         if not self.accept(self.best):
-            raise ValueError(f"the trace does not fail with {self.kind!r}; nothing to minimise")
+            raise ValueError(f"the trace does not fail with {self.signature[0]!r}; nothing to minimise")
         while True:
             size = (len(self.best.steps), self._weight(self.best))
             self.remove_steps()
@@ -53,7 +62,7 @@ class Minimiser:
             self.simplify_config()
             if (len(self.best.steps), self._weight(self.best)) < size:
                 continue
-            if not self.fill_with_large_requests():
+            if not self.fill_with_large_requests() and not self.remove_pairs():
                 return self.best
 
     @staticmethod
@@ -77,6 +86,18 @@ class Minimiser:
                     continue
                 i += chunk
             chunk //= 2
+
+    def remove_pairs(self, at_most: int = 16) -> bool:
+        """Two operations that only fail together once both are gone (e.g. a prompt and the step
+        that uses it) survive single removals: on a short trace, try every pair."""
+        steps = self.best.steps
+        if len(steps) > at_most:
+            return False
+        for i in range(len(steps)):
+            for j in range(i + 1, len(steps)):
+                if self.accept(self.best.with_steps(without(without(steps, j, j + 1), i, i + 1))):
+                    return True
+        return False
 
     def fill_with_large_requests(self) -> bool:
         """Try one large request in place of a run of small ones that fill the pool: keeps a
@@ -175,9 +196,14 @@ def _simpler_configs(config):
                 yield attrs.evolve(config, allocator=attrs.evolve(a, groups=new))
 
 
-def minimise(trace: Trace, variant=None, target=None, device=None) -> Trace:
-    """The smallest trace found that fails like ``trace`` (which must fail)."""
+def minimiser_for(trace: Trace, variant=None, target=None, device=None, progress=None) -> Minimiser:
+    """A minimiser for ``trace``, which must fail (ValueError otherwise)."""
     first = execute(trace, variant=variant, target=target, device=device)
     if first is None:
         raise ValueError("the trace passes; nothing to minimise")
-    return Minimiser(trace, first.kind, variant, target, device).run()
+    return Minimiser(trace, first.signature, variant, target, device, progress=progress)
+
+
+def minimise(trace: Trace, variant=None, target=None, device=None, progress=None) -> Trace:
+    """The smallest trace found that fails like ``trace`` (which must fail)."""
+    return minimiser_for(trace, variant, target, device, progress).run()

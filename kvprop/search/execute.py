@@ -20,11 +20,12 @@ def execute(
     on_step=None,
     checks: bool = True,
     events: set | None = None,
+    canary: bool = False,
 ) -> Failure | None:
     """Replay ``trace`` step by step without Hypothesis; the first exception is the failure.
 
     ``events``, when given, collects the names of the engine events the replay reached."""
-    harness = Harness(trace.config, variant=variant, target=target, device=device, checks=checks)
+    harness = Harness(trace.config, variant=variant, target=target, device=device, checks=checks, canary=canary)
     try:
         return _run(harness, trace, on_step)
     finally:

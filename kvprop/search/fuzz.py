@@ -1,30 +1,40 @@
 """``kvprop fuzz``: worker processes searching until the budget ends or a failure.
 
 Each worker runs one driver — the seeded walker (fast) or the Hypothesis state machine
-(its heuristics, saving to the example database) — over disjoint seeds. The parent prints
-a status line at least every 2 s; on a failure it stops the workers and returns the find
-(the caller minimises and writes it, see ``kvprop.repro``).
+(its heuristics, saving to the example database). The parent prints a status line at
+least every 2 s, hands every find to ``on_find`` the moment it arrives (the caller puts it
+on disk before anything else happens to it), and returns the find it reports.
+
+With the walker the reported find does not depend on timing: a walk's seed is a hash of
+(run seed, worker, index), and after a first find the other workers finish every walk
+index up to it, so the reported find is the one with the lowest (index, worker).
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import signal
 import sys
 import time
-from pathlib import Path
+import traceback
+from collections import Counter
 
 import attrs
 
 from kvprop.search import trace as tr
 from kvprop.search.execute import execute
-from kvprop.search.trace import Trace
+from kvprop.search.trace import DRIVERS, Trace
 from kvprop.sim.engine import EVENTS
 
-DRIVERS = ("walk", "hypothesis")
 REPORT_EVERY = 0.5
 STATUS_EVERY = 2.0
+NO_LIMIT = 2**62
+MIN_EXECUTED = 0.1  # below this fraction of sampled configurations the target built, a run is not "clean"
+
+__all__ = ["DRIVERS", "FuzzOptions", "FuzzResult", "search"]
 
 
 @attrs.frozen
@@ -36,10 +46,11 @@ class FuzzOptions:
     variant: str | None = None
     target: str | None = None
     device: str | None = None
-    out: Path = Path("counterexamples")
     max_ops: int = 200
-    max_runs: int | None = None  # a deterministic budget: stop after this many runs (walk) / examples
+    max_runs: int | None = None  # a deterministic budget: each worker stops after this many runs / examples
     redis: str | None = None  # share failures with other machines through this Redis URL
+    canary: bool = False  # search with the canary fault on (kvprop.targets.canary)
+    fresh: bool = False  # the Hypothesis driver neither reads nor writes its example database
 
 
 @attrs.frozen
@@ -51,84 +62,191 @@ class FuzzResult:
     events: frozenset
     seconds_to_find: float | None = None
     shared: bool = False  # found by another machine, through the shared store
+    refused: dict = attrs.field(factory=dict)  # why the target refused configurations: reason -> count
+    interrupted: bool = False
+    deterministic: bool = True  # the reported find is the lowest (index, worker), whatever the timing
+
+    @property
+    def executed_runs(self) -> int:
+        return self.runs - sum(self.refused.values())
+
+
+class WorkerCrash(Exception):
+    """A worker hit an error of kvprop itself (never a find); the message has its traceback."""
+
+
+class Unusable(Exception):
+    """The search could not test anything (e.g. the target refused everything the driver drew)."""
 
 
 # ---- workers ------------------------------------------------------------------------------
 
 
-def _walk_worker(index: int, opts: FuzzOptions, out, stop) -> None:
-    from kvprop.search.walk import run_walk
+def _die_with_parent(parent: int) -> None:
+    """Workers must not outlive the parent, even one killed by SIGKILL: ask Linux to send
+    SIGTERM when it dies (elsewhere the loops check ``os.getppid``)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+    if os.getppid() != parent:
+        os._exit(0)
 
-    seed, runs, steps, events, last = opts.seed + index, 0, 0, set(), time.monotonic()
-    total = 0
-    while not stop.is_set() and (opts.max_runs is None or total < opts.max_runs):
-        total += 1
-        result = run_walk(seed, opts.variant, opts.target, opts.device, opts.max_ops)
+
+def _orphaned(parent: int) -> bool:
+    return os.getppid() != parent
+
+
+def _walk_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: int) -> None:
+    from kvprop.search.walk import run_walk, walk_seed
+
+    runs, steps, events, refused, last = 0, 0, set(), Counter(), time.monotonic()
+    i = 0
+    while not stop.is_set() and i <= limit.value and (opts.max_runs is None or i < opts.max_runs):
+        if _orphaned(parent):
+            return
+        seed = walk_seed(opts.seed, index, i)
+        result = run_walk(seed, opts.variant, opts.target, opts.device, opts.max_ops, canary=opts.canary)
         runs, steps = runs + 1, steps + result.steps_run
         events |= result.events
+        if result.refused is not None:
+            refused[result.refused] += 1
         if result.failure is not None:
-            out.put(("progress", runs, steps, events))
-            out.put(("failure", tr.to_dict(attrs.evolve(result.trace, failure=result.failure))))
+            out.put(("progress", runs, steps, events, refused))
+            out.put(("failure", i, index, tr.to_dict(attrs.evolve(result.trace, failure=result.failure))))
             return
         if time.monotonic() - last >= REPORT_EVERY:
-            out.put(("progress", runs, steps, events))
-            runs, steps, events, last = 0, 0, set(), time.monotonic()
-        seed += opts.workers
-    out.put(("progress", runs, steps, events))
+            out.put(("progress", runs, steps, events, refused))
+            runs, steps, events, refused, last = 0, 0, set(), Counter(), time.monotonic()
+        i += 1
+    out.put(("progress", runs, steps, events, refused))
 
 
-def _hypothesis_worker(index: int, opts: FuzzOptions, out, stop) -> None:
+class _Stop(BaseException):
+    """Ends a Hypothesis run from inside (Hypothesis lets BaseExceptions through)."""
+
+
+def _hypothesis_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: int) -> None:
     from hypothesis import seed as hseed
     from hypothesis import settings
+    from hypothesis.errors import Unsatisfiable
     from hypothesis.stateful import run_state_machine_as_test
 
     from kvprop.search import profiles
     from kvprop.search.machine import failure_trace, machine_for
+    from kvprop.search.walk import walk_seed
 
     profiles.load("fuzz")
     machine = machine_for(opts.variant, opts.target, opts.device)
     chunk = settings(settings.default, max_examples=200)  # Hypothesis starts each run simple: keep runs long
-    if opts.redis:
+    if opts.fresh:
+        chunk = settings(chunk, database=None)
+    elif opts.redis:
         from kvprop.search.store import hypothesis_database
 
         chunk = settings(chunk, database=hypothesis_database(opts.redis))
-    s = opts.seed + index
+    reported = dict(machine.counters)
+    last = [time.monotonic()]
+
+    stopping = [False]
+
+    def on_example():
+        if stop.is_set() or _orphaned(parent) or (
+            opts.max_runs is not None and machine.counters["examples"] >= opts.max_runs
+        ):
+            stopping[0] = True
+            raise _Stop
+        if time.monotonic() - last[0] >= REPORT_EVERY:
+            _progress(out, machine, reported)
+            last[0] = time.monotonic()
+
+    machine.on_example = staticmethod(on_example)
+    i = 0
     while not stop.is_set() and (opts.max_runs is None or machine.counters["examples"] < opts.max_runs):
-        before = dict(machine.counters)
+        s = walk_seed(opts.seed, index, i)
         try:
             run_state_machine_as_test(hseed(s)(machine), settings=chunk)
-        except BaseException as e:  # noqa: BLE001 - any failure of the machine is a finding
-            _progress(out, machine, before)
-            if not machine.failures:
-                out.put(("crash", f"{type(e).__name__}: {e}"))
-                return
-            out.put(("failure", tr.to_dict(attrs.evolve(failure_trace(machine), seed=s))))
+        except _Stop:
+            break
+        except Unsatisfiable:
+            _progress(out, machine, reported)
+            out.put(("unusable", _unsatisfiable(opts, machine)))
             return
-        _progress(out, machine, before)
-        s += opts.workers
+        except BaseException as e:  # noqa: BLE001 - a finding, or an error of kvprop itself
+            _progress(out, machine, reported)
+            if not machine.failures:
+                if stop.is_set() or _orphaned(parent) or stopping[0]:
+                    break  # Hypothesis may wrap the _Stop that ended the run
+                out.put(("crash", f"worker {index}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+                return
+            out.put(("failure", i, index, tr.to_dict(attrs.evolve(failure_trace(machine), seed=s))))
+            return
+        i += 1
+    _progress(out, machine, reported)
 
 
-def _progress(out, machine, before) -> None:
-    out.put(
-        (
-            "progress",
-            machine.counters["examples"] - before["examples"],
-            machine.counters["steps"] - before["steps"],
-            set(machine.events_seen),
-        )
+def _unsatisfiable(opts: FuzzOptions, machine) -> str:
+    reasons = machine.counters.get("refused") or Counter()
+    first = next(iter(reasons), "no reason recorded")
+    return (
+        f"target {opts.target or 'kvprop'} refused every configuration the state machine drew "
+        f"({sum(reasons.values())} refused; first: {first})"
     )
 
 
-def _worker(index, opts, out, stop):
+def _progress(out, machine, reported: dict) -> None:
+    c = machine.counters
+    refused = Counter(c.get("refused", Counter()))
+    refused.subtract(reported.get("refused", Counter()))
+    out.put(
+        (
+            "progress",
+            c["examples"] - reported["examples"],
+            c["steps"] - reported["steps"],
+            set(machine.events_seen),
+            +refused,
+        )
+    )
+    reported.update(examples=c["examples"], steps=c["steps"], refused=Counter(c.get("refused", Counter())))
+
+
+def _worker(index, opts, out, stop, limit, parent):
     try:
-        (_walk_worker if opts.driver == "walk" else _hypothesis_worker)(index, opts, out, stop)
+        _die_with_parent(parent)
+        worker = _walk_worker if opts.driver == "walk" else _hypothesis_worker
+        worker(index, opts, out, stop, limit, parent)
     except KeyboardInterrupt:
         pass
     except BaseException as e:  # noqa: BLE001 - report, never hang the parent
-        out.put(("crash", f"worker {index}: {type(e).__name__}: {e}"))
+        out.put(("crash", f"worker {index}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
 # ---- the parent ---------------------------------------------------------------------------
+
+
+def probe(target, variant=None, device=None, attempts: int = 64) -> None:
+    """Before a search: a target that cannot build any of ``attempts`` sampled configurations
+    cannot be tested at all, which is a ConfigError with the target's own first refusal."""
+    import random
+
+    from kvprop.errors import ConfigError
+    from kvprop.search.alphabet import RandomChooser, sample_config
+    from kvprop.search.harness import Harness
+
+    if target in (None, "kvprop"):
+        return
+    first = None
+    for i in range(attempts):
+        config = sample_config(RandomChooser(random.Random(i)))
+        try:
+            Harness(config, variant=variant, target=target, device=device)
+            return
+        except ConfigError as e:
+            first = first or str(e)
+    raise ConfigError(
+        f"target {target!r} could not build any of {attempts} sampled configurations; first refusal: {first}"
+    )
 
 
 def _from_store(opts: FuzzOptions, store, status) -> Trace | None:
@@ -141,11 +259,16 @@ def _from_store(opts: FuzzOptions, store, status) -> Trace | None:
     return None
 
 
-def search(opts: FuzzOptions, status=None) -> FuzzResult:
-    """Run workers until the budget ends or one finds a failure (``status`` gets status lines).
+def search(opts: FuzzOptions, status=None, on_find=None, started: float | None = None) -> FuzzResult:
+    """Run workers until the budget ends or a failure (``status`` gets status lines, ``on_find``
+    every find as it arrives). ``started`` (a ``time.monotonic()`` value) is when the budget began.
 
-    With ``opts.redis``, stored traces for this target are replayed first, a find is pushed
-    for the other machines, and a find pushed by another machine ends this search too."""
+    Ctrl-C ends the search with ``interrupted`` set, never losing what was reported. A worker
+    that hits an error of kvprop itself raises ``WorkerCrash``; a search the target made
+    impossible raises ``Unusable``. With ``opts.redis``, stored traces for this target are
+    replayed first, a find is pushed for the other machines, and a find pushed by another
+    machine ends this search too."""
+    start = time.monotonic() if started is None else started
     store = None
     if opts.redis:
         from kvprop.search.store import TraceStore
@@ -153,22 +276,27 @@ def search(opts: FuzzOptions, status=None) -> FuzzResult:
         store = TraceStore(opts.redis, opts.target, opts.variant)
         known = _from_store(opts, store, status)
         if known is not None:
-            return FuzzResult(known, 0, 0, 0.0, frozenset(), 0.0, shared=True)
+            if on_find:
+                on_find(known)
+            return FuzzResult(known, 0, 0, time.monotonic() - start, frozenset(), 0.0, shared=True)
         seen = len(store)
     ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    out, stop = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_worker, args=(i, opts, out, stop), daemon=True) for i in range(opts.workers)]
-    start = time.monotonic()
+    out, stop, limit = ctx.Queue(), ctx.Event(), ctx.Value("q", NO_LIMIT)
+    parent = os.getpid()
+    procs = [
+        ctx.Process(target=_worker, args=(i, opts, out, stop, limit, parent), daemon=True) for i in range(opts.workers)
+    ]
     for p in procs:
         p.start()
-    tally = _Tally()
-    shared = False
-    last_status = start
-    crash = None
+    tally = _Tally(on_find=on_find)
+    shared = interrupted = False
+    last_status = time.monotonic()
     try:
         while True:
             elapsed = time.monotonic() - start
-            if elapsed >= opts.seconds or tally.found is not None or crash is not None:
+            if elapsed >= opts.seconds or tally.crash or tally.unusable:
+                break
+            if tally.found and (opts.driver != "walk" or shared):
                 break
             if not any(p.is_alive() for p in procs) and out.empty():
                 break
@@ -177,13 +305,19 @@ def search(opts: FuzzOptions, status=None) -> FuzzResult:
             except queue_mod.Empty:
                 msg = None
             if msg is not None:
-                crash = tally.absorb(msg, time.monotonic() - start) or crash
+                tally.absorb(msg, time.monotonic() - start)
+                if tally.found:
+                    with limit.get_lock():
+                        limit.value = min(limit.value, tally.best[0])
             if time.monotonic() - last_status >= STATUS_EVERY:
                 last_status = time.monotonic()
                 if status:
                     status(tally.status_line(time.monotonic() - start))
-                if store is not None and tally.found is None and len(store) > seen:
-                    tally.found, tally.found_at, shared = store.traces(seen)[0], time.monotonic() - start, True
+                if store is not None and not tally.found and len(store) > seen:
+                    tally.take(store.traces(seen)[0], time.monotonic() - start)
+                    shared = True
+    except KeyboardInterrupt:
+        interrupted = True
     finally:
         stop.set()
         deadline = time.monotonic() + 5
@@ -196,13 +330,15 @@ def search(opts: FuzzOptions, status=None) -> FuzzResult:
                 msg = out.get_nowait()
             except (queue_mod.Empty, OSError, ValueError):
                 break
-            tally.absorb(msg, time.monotonic() - start)  # a late crash report no longer matters
-    found = tally.found
-    if crash is not None and found is None:
-        raise RuntimeError(f"a fuzz worker crashed: {crash}")
+            tally.absorb(msg, time.monotonic() - start)
+    if tally.crash and not tally.found and not interrupted:
+        raise WorkerCrash(tally.crash)
+    if tally.unusable and not tally.found and not interrupted:
+        raise Unusable(tally.unusable)
     elapsed = time.monotonic() - start
-    if status:
+    if status and not interrupted:
         status(tally.status_line(elapsed))
+    found = tally.found_trace()
     if found is not None and store is not None and not shared:
         store.push(found)
     return FuzzResult(
@@ -213,35 +349,63 @@ def search(opts: FuzzOptions, status=None) -> FuzzResult:
         frozenset(tally.events),
         tally.found_at,
         shared,
+        dict(tally.refused),
+        interrupted,
+        deterministic=opts.driver == "walk" or opts.workers == 1,
     )
 
 
 @attrs.define
 class _Tally:
-    """What the workers have reported: progress adds up, the first failure wins."""
+    """What the workers have reported: progress adds up; finds are kept by (index, worker)."""
 
+    on_find: object = None
     runs: int = 0
     steps: int = 0
     events: set = attrs.field(factory=set)
-    found: Trace | None = None
+    refused: Counter = attrs.field(factory=Counter)
+    finds: dict = attrs.field(factory=dict)  # (index, worker) -> Trace
     found_at: float | None = None
+    crash: str | None = None
+    unusable: str | None = None
 
-    def absorb(self, msg, elapsed: float) -> str | None:
-        """Fold in one worker message; returns a crash report, if that is what it was."""
+    @property
+    def found(self) -> bool:
+        return bool(self.finds)
+
+    @property
+    def best(self) -> tuple:
+        return min(self.finds)
+
+    def found_trace(self) -> Trace | None:
+        return self.finds[self.best] if self.finds else None
+
+    def take(self, trace: Trace, elapsed: float, where: tuple = (-1, -1)) -> None:
+        self.finds[where] = trace
+        if self.found_at is None:
+            self.found_at = elapsed
+        if self.on_find is not None:
+            self.on_find(trace)
+
+    def absorb(self, msg, elapsed: float) -> None:
+        """Fold in one worker message."""
         if msg[0] == "progress":
             self.runs, self.steps = self.runs + msg[1], self.steps + msg[2]
             self.events |= msg[3]
-        elif msg[0] == "failure" and self.found is None:
-            self.found, self.found_at = tr.from_dict(msg[1]), elapsed
+            self.refused.update(msg[4])
+        elif msg[0] == "failure":
+            self.take(tr.from_dict(msg[3]), elapsed, (msg[1], msg[2]))
         elif msg[0] == "crash":
-            return msg[1]
-        return None
+            self.crash = self.crash or msg[1]
+        elif msg[0] == "unusable":
+            self.unusable = self.unusable or msg[1]
 
     def status_line(self, elapsed: float) -> str:
         rate = self.steps / elapsed if elapsed > 0 else 0.0
+        refused = f" | refused {sum(self.refused.values()):,}" if self.refused else ""
         return (
             f"[{elapsed:7.1f}s] runs {self.runs:,} | steps {self.steps:,} | {rate:,.0f} steps/s | "
-            f"failures {int(self.found is not None)} | events {len(self.events & set(EVENTS))}/{len(EVENTS)}"
+            f"failures {len(self.finds)} | events {len(self.events & set(EVENTS))}/{len(EVENTS)}{refused}"
         )
 
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from kvprop.allocator.specs import EngineConfig
 from kvprop.check.checker import Checker, drain
-from kvprop.errors import RequestError
+from kvprop.errors import LimitError, RequestError
 from kvprop.search.alphabet import fresh_tokens, show_tokens
 from kvprop.targets import build_engine
+
+# The prompts a trace derives, all together: far beyond what a walk produces, well within memory.
+MAX_PROMPT_TOKENS = 20_000_000
 
 
 class Harness:
@@ -19,11 +22,15 @@ class Harness:
         device: str | None = None,
         checks: bool = True,
         target=None,
+        canary: bool = False,
     ):
         self.config = config
         self.checker = Checker(enabled=checks)
-        self.engine = build_engine(config, variant=variant, target=target, device=device, hooks=self.checker)
+        self.engine = build_engine(
+            config, variant=variant, target=target, device=device, hooks=self.checker, canary=canary
+        )
         self.prompts: list[list[int]] = []
+        self.prompt_tokens = 0
 
     def derive_tokens(self, parent: int, cut: int, extra: int, seed: int) -> list[int]:
         """The ``parent``-th most recent prompt less its last ``cut`` tokens, then ``extra`` fresh
@@ -31,6 +38,12 @@ class Harness:
         and ``cut=0`` (what shrinking tends to) shares the whole parent."""
         source = self.prompts[-1 - parent % len(self.prompts)] if self.prompts else []
         base = source[: max(0, len(source) - cut)]
+        self.prompt_tokens += len(base) + extra
+        if self.prompt_tokens > MAX_PROMPT_TOKENS:
+            raise LimitError(
+                f"the operations derive prompts of more than {MAX_PROMPT_TOKENS:,} tokens in all; "
+                f"no walk produces that (is the trace hand-made?)"
+            )
         return base + fresh_tokens(seed + 31 * len(base), extra, self.config.vocab)
 
     def add_request(self, prompt: list[int], max_new_tokens: int) -> str:

@@ -7,6 +7,8 @@ swarm: Hypothesis varies which rules run, the sampler varies the allocator's sha
 
 from __future__ import annotations
 
+from collections import Counter
+
 from hypothesis import event, reject
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
@@ -45,7 +47,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     checks: bool = True
     events_seen: set = set()
     failures: list = []
-    counters: dict = {"examples": 0, "steps": 0}
+    counters: dict = {"examples": 0, "steps": 0, "refused": Counter()}
 
     def __init__(self):
         super().__init__()
@@ -54,17 +56,24 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.failed = False
         self.reported: set = set()
 
+    @staticmethod
+    def on_example() -> None:
+        """Called as each example starts (the fuzz worker reports progress and stops runs here)."""
+
     @initialize(config=configs())
     def configure(self, config):
-        type(self).counters["examples"] += 1
+        type(self).on_example()
+        counters = type(self).counters
+        counters["examples"] += 1
         try:
             self.harness = Harness(
                 config, variant=self.variant, target=self.target, device=self.device, checks=self.checks
             )
-        except ConfigError:
+        except ConfigError as e:
             if self.target in (None, "kvprop"):
                 raise
-            reject()  # a shape this target cannot build: draw another
+            counters["refused"][str(e)] += 1
+            reject()  # a shape this target cannot build: draw another (the refusal is counted)
 
     def record_failure(self, error: BaseException, at_drain: bool) -> None:
         """Keep what failed as a plain trace: (config, operations, error, failed in the drain)."""
@@ -135,7 +144,7 @@ def machine_for(
             "checks": checks,
             "events_seen": set(),
             "failures": [],
-            "counters": {"examples": 0, "steps": 0},
+            "counters": {"examples": 0, "steps": 0, "refused": Counter()},
         },
     )
 

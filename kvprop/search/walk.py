@@ -8,6 +8,7 @@ kvprop version.
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import attrs
@@ -34,17 +35,27 @@ def plan(seed: int, max_ops: int = 200) -> Trace:
     return Trace(config=config, steps=tuple(steps), seed=seed, driver="walk")
 
 
+def walk_seed(run_seed: int, worker: int, index: int) -> int:
+    """The seed of a fuzz run's ``index``-th walk in ``worker``: a hash, so runs whose seeds
+    differ by one, and workers of one run, explore unrelated walks."""
+    digest = hashlib.blake2b(f"kvprop-walk:{run_seed}:{worker}:{index}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big")
+
+
 @attrs.frozen
 class WalkResult:
     trace: Trace
     failure: Failure | None
     steps_run: int
     events: frozenset
+    refused: str | None = None  # the target refused this configuration: why (no steps ran)
 
 
-def run_walk(seed: int, variant=None, target=None, device=None, max_ops: int = 200, checks: bool = True) -> WalkResult:
+def run_walk(
+    seed: int, variant=None, target=None, device=None, max_ops: int = 200, checks: bool = True, canary: bool = False
+) -> WalkResult:
     """One walk. A configuration the target cannot build (``ConfigError`` from its factory) is
-    skipped: zero steps, no failure."""
+    refused: zero steps, no failure, and the reason is reported (never a silent skip)."""
     trace = attrs.evolve(plan(seed, max_ops), variant=variant, target=target)
     events = set()
     count = [0]
@@ -54,10 +65,17 @@ def run_walk(seed: int, variant=None, target=None, device=None, max_ops: int = 2
 
     try:
         failure = execute(
-            trace, variant=variant, target=target, device=device, on_step=on_step, checks=checks, events=events
+            trace,
+            variant=variant,
+            target=target,
+            device=device,
+            on_step=on_step,
+            checks=checks,
+            events=events,
+            canary=canary,
         )
-    except ConfigError:
+    except ConfigError as e:
         if target in (None, "kvprop"):
             raise
-        return WalkResult(trace, None, 0, frozenset())
+        return WalkResult(trace, None, 0, frozenset(), refused=str(e))
     return WalkResult(trace, failure, count[0] + (failure is not None), frozenset(events))

@@ -22,7 +22,27 @@ from kvprop.sim.engine import Engine
 BUILTIN = {"vllm": "kvprop.targets.vllm:make_target"}
 
 
+FACADE_CALLS = ("get_computed_blocks", "allocate_slots", "free", "cache_blocks", "reset_prefix_cache", "get_block_ids")
+VIEW_CALLS = (
+    "ref_cnt",
+    "ref_cnts",
+    "cache_key",
+    "cache_keys",
+    "free_queue_ids",
+    "free_queue_ids_backward",
+    "free_queue_prefix",
+    "cache_map_items",
+    "request_ids",
+    "request_block_ids",
+    "num_cached_blocks",
+)
+VIEW_FIELDS = ("num_blocks", "block_size", "num_groups", "null_block_id", "num_free_blocks")
+
+
 def load_factory(target: str):
+    """The factory a target names; any way it cannot be loaded is a ConfigError that says why."""
+    if not isinstance(target, str):
+        raise ConfigError(f"target must be 'kvprop', 'vllm' or 'package.module:factory', got {target!r}")
     path = BUILTIN.get(target, target)
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
@@ -33,20 +53,50 @@ def load_factory(target: str):
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ConfigError(f"target {target!r}: cannot import {module_name!r} ({e})") from e
+    except Exception as e:  # noqa: BLE001 - the module's own code failed: say so, it is the user's input
+        raise ConfigError(f"target {target!r}: importing {module_name!r} raised {type(e).__name__}: {e}") from e
     try:
-        return getattr(module, attr)
+        factory = getattr(module, attr)
     except AttributeError:
         raise ConfigError(f"target {target!r}: module {module_name!r} has no attribute {attr!r}") from None
+    if not callable(factory):
+        raise ConfigError(
+            f"target {target!r}: {attr!r} is a {type(factory).__name__}, not a callable "
+            f"factory(config: AllocatorConfig) -> (allocator, view)"
+        )
+    return factory
 
 
-def build_engine(config, variant=None, target=None, device=None, hooks=None) -> Engine:
-    """The engine over ``target``'s allocator (kvprop's own, with ``variant``, by default)."""
+def check_built(target: str, built) -> tuple:
+    """What a factory returned, if it is (allocator, view) with the calls the engine and the
+    checks make; else a ConfigError naming what is missing (a wiring mistake, not a bug found)."""
+    expected = "factory(config) must return (allocator, view)"
+    if not isinstance(built, tuple) or len(built) != 2:
+        raise ConfigError(f"target {target!r}: {expected}, got {type(built).__name__}: {built!r:.200}")
+    allocator, view = built
+    for what, obj, names in (("allocator", allocator, FACADE_CALLS), ("view", view, VIEW_CALLS + VIEW_FIELDS)):
+        missing = [n for n in names if not hasattr(obj, n)]
+        if missing:
+            raise ConfigError(
+                f"target {target!r}: {expected}; the {what} ({type(obj).__name__}) lacks {missing} "
+                f"(docs/targets.md lists what each must answer)"
+            )
+    return allocator, view
+
+
+def build_engine(config, variant=None, target=None, device=None, hooks=None, canary: bool = False) -> Engine:
+    """The engine over ``target``'s allocator (kvprop's own, with ``variant``, by default); with
+    ``canary`` the engine carries the canary fault (``kvprop.targets.canary``)."""
+    from kvprop.targets.canary import with_canary
+
     if target in (None, "kvprop"):
         from kvprop.targets.kvprop import build_kvprop_engine
 
-        return build_kvprop_engine(config, variant, device=device, hooks=hooks)
+        return build_kvprop_engine(config, variant, device=device, hooks=hooks, wrap=with_canary if canary else None)
     if variant not in (None, "correct"):
         raise ConfigError(f"variant {variant!r} applies to the kvprop target only, not to target {target!r}")
-    allocator, view = load_factory(target)(config.allocator)
+    allocator, view = check_built(target, load_factory(target)(config.allocator))
     engine_cls = getattr(allocator, "engine_class", Engine)
+    if canary:
+        engine_cls = with_canary(engine_cls)
     return engine_cls(config, allocator, view, device=device, hooks=hooks)

@@ -15,9 +15,11 @@ def make_allocator(config: AllocatorConfig, variant: str | None = None) -> KVCac
 
 
 def build_kvprop_engine(
-    config: EngineConfig, variant: str | None = None, device: str | None = None, hooks=None
+    config: EngineConfig, variant: str | None = None, device: str | None = None, hooks=None, wrap=None
 ) -> Engine:
-    """The engine over kvprop's allocator with ``variant`` switched on (None or 'correct': no bug)."""
+    """The engine over kvprop's allocator with ``variant`` switched on (None or 'correct': no bug);
+    ``wrap`` may replace the engine class (the canary does)."""
     v = get_variant(variant)
     allocator = v.allocator(config.allocator, v.parts)
-    return v.engine(config, allocator, AllocatorView(allocator), device=device, hooks=hooks)
+    engine_cls = wrap(v.engine) if wrap else v.engine
+    return engine_cls(config, allocator, AllocatorView(allocator), device=device, hooks=hooks)

@@ -1,0 +1,393 @@
+"""What each ``kvprop`` command does; ``kvprop.cli`` parses and maps outcomes to exit codes.
+
+A find is on disk the moment it is reported (``<name>.found.json``), before it is
+minimised; Ctrl-C while minimising keeps the smallest trace so far.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from kvprop import __version__
+from kvprop.cli import EXIT_CLEAN, EXIT_FOUND, EXIT_INTERRUPTED, EXIT_USAGE
+from kvprop.errors import ConfigError, KvpropError
+
+PROGRESS_EVERY = 1.0
+
+
+def _say(args, text: str = "") -> None:
+    """Human output: stdout, or stderr when stdout carries --json."""
+    print(text, file=sys.stderr if getattr(args, "json", False) else sys.stdout, flush=True)
+
+
+def _print_steps(trace, variant, target, device, out=print):
+    from kvprop.search.execute import execute
+
+    def show(i, op, outcome):
+        out(f"  {i:3d}: {op!r}\n       -> {outcome}")
+
+    out(f"config: {trace.config!r}")
+    failure = execute(trace, variant=variant, target=target, device=device, on_step=show)
+    if failure is not None:
+        where = (
+            "the final drain"
+            if failure.step >= len(trace.steps)
+            else f"step {failure.step}: {trace.steps[failure.step]!r}"
+        )
+        origin = "the target crashed" if failure.origin == "target-crash" else "an invariant failed"
+        out(f"  FAILED at {where} ({origin})\n  {failure.message}")
+    return failure
+
+
+def _check_device(device) -> None:
+    if device is not None:
+        from kvprop.sim.memory import pick_device
+
+        pick_device(device)
+
+
+def _check_allocator(variant, target) -> None:
+    """The variant exists, and applies to the kvprop target only; a path target loads."""
+    from kvprop.targets import load_factory
+    from kvprop.targets.variants import get_variant
+
+    get_variant(variant)
+    if target not in (None, "kvprop"):
+        if variant not in (None, "correct"):
+            raise ConfigError(f"--variant {variant!r} applies to the kvprop target only, not to --target {target!r}")
+        load_factory(target)
+
+
+def _minimise(args, found, variant, target):
+    """Minimise with a progress line; Ctrl-C keeps the best so far. Returns (trace, interrupted)."""
+    from kvprop.repro.minimise import minimiser_for
+
+    last = [time.monotonic()]
+
+    def progress(best, replays):
+        if time.monotonic() - last[0] >= PROGRESS_EVERY:
+            last[0] = time.monotonic()
+            _say(args, f"  minimising: {len(best.steps)} operations ({replays} replays)")
+
+    minimiser = minimiser_for(found, variant=variant, target=target, device=args.device, progress=progress)
+    try:
+        return minimiser.run(), False
+    except KeyboardInterrupt:
+        return minimiser.best, True
+
+
+# ---- fuzz ---------------------------------------------------------------------------------
+
+
+def cmd_fuzz(args) -> int:
+    from kvprop.repro import counterexample
+    from kvprop.search import fuzz
+
+    if args.seed is None:
+        args.seed = time.time_ns() % 1_000_000_007
+    _check_device(args.device)
+    _check_allocator(args.variant, args.target)
+    out = counterexample.check_out(Path(args.out))
+    fuzz.probe(args.target, args.variant, args.device)
+    if args.canary and not _canary(args):
+        return EXIT_USAGE
+    opts = fuzz.FuzzOptions(
+        seconds=args.seconds,
+        workers=args.workers,
+        seed=args.seed,
+        driver=args.driver,
+        variant=args.variant,
+        target=args.target,
+        device=args.device,
+        max_ops=args.max_ops,
+        max_runs=args.max_runs,
+        redis=args.redis,
+        fresh=args.fresh,
+    )
+    label = f"variant {args.variant}" if args.variant else f"target {args.target or 'kvprop'}"
+    _say(
+        args,
+        f"kvprop {__version__} fuzz: driver {args.driver}, {label}, {args.workers} workers, "
+        f"{args.seconds:g}s budget, seed {args.seed}",
+    )
+    saved = {}
+
+    def on_find(trace):
+        name = counterexample.name_for(trace)
+        saved[name] = counterexample.write_found(trace, out, name)
+        _say(args, f"found {trace.failure.kind} (seed {trace.seed}); saved {saved[name]}")
+
+    try:
+        result = fuzz.search(opts, status=lambda line: _say(args, line), on_find=on_find, started=args.started)
+    except fuzz.Unusable as e:
+        raise ConfigError(f"nothing could be tested: {e}") from None
+    summary = _summary(args, result)
+    if result.interrupted:
+        _say(
+            args,
+            f"\ninterrupted: {result.runs:,} runs, {result.steps:,} steps in {result.seconds:.1f}s, seed {args.seed}",
+        )
+        for path in saved.values():
+            _say(args, f"  a find is saved in {path}")
+        _emit_json(args, summary, saved=[str(p) for p in saved.values()])
+        return EXIT_INTERRUPTED
+    if result.found is None:
+        return _clean(args, result, summary)
+    return _report_find(args, result, out, summary)
+
+
+def _summary(args, result) -> dict:
+    from kvprop.sim.engine import EVENTS
+
+    return {
+        "runs": result.runs,
+        "steps": result.steps,
+        "seconds": round(result.seconds, 3),
+        "refused_configurations": result.runs - result.executed_runs,
+        "refused_reasons": result.refused,
+        "events": {name: name in result.events for name in EVENTS},
+        "seed": args.seed,
+        "driver": args.driver,
+        "target": args.target or "kvprop",
+        "variant": args.variant,
+        "find": None,
+    }
+
+
+def _emit_json(args, summary, **extra) -> None:
+    if args.json:
+        print(json.dumps({**summary, **extra}, indent=1))
+
+
+def _clean(args, result, summary) -> int:
+    from kvprop.search.fuzz import MIN_EXECUTED
+    from kvprop.sim.engine import EVENTS
+
+    refused = result.runs - result.executed_runs
+    if refused:
+        reason, count = max(result.refused.items(), key=lambda kv: kv[1])
+        _say(
+            args, f"the target refused {refused:,} of {result.runs:,} configurations; most often ({count:,}): {reason}"
+        )
+    if result.steps == 0 or result.executed_runs < MIN_EXECUTED * result.runs:
+        _say(
+            args,
+            f"NOT CLEAN: {result.steps:,} steps ran and the target built {result.executed_runs:,} of "
+            f"{result.runs:,} sampled configurations (at least {MIN_EXECUTED:.0%} must run); nothing was tested enough",
+        )
+        _emit_json(args, summary, verdict="untested")
+        return EXIT_USAGE
+    missing = [e for e in EVENTS if e not in result.events]
+    _say(
+        args,
+        f"clean: {result.runs:,} runs, {result.steps:,} steps in {result.seconds:.1f}s; "
+        f"events reached {len(EVENTS) - len(missing)}/{len(EVENTS)}",
+    )
+    if missing:
+        _say(args, "  not reached: " + "; ".join(missing))
+    _emit_json(args, summary, verdict="clean")
+    return EXIT_CLEAN
+
+
+def _report_find(args, result, out, summary) -> int:
+    from kvprop.repro import counterexample
+
+    found = result.found
+    name = counterexample.name_for(found)
+    best, interrupted = found, False
+    if not result.shared:
+        _say(args, f"\nminimising {len(found.steps)} operations (Ctrl-C keeps the smallest so far) ...")
+        best, interrupted = _minimise(args, found, args.variant, args.target)
+    if result.shared:
+        _say(args, f"\nFOUND {best.failure.kind} by another machine (shared store); {len(best.steps)} operations:")
+    else:
+        verdict = "minimising interrupted at" if interrupted else "minimised to"
+        _say(
+            args,
+            f"\nFOUND {best.failure.kind} after {result.seconds_to_find:.1f}s ({args.driver} seed "
+            f"{found.seed}); {len(found.steps)} operations {verdict} {len(best.steps)}:",
+        )
+    _print_steps(best, args.variant, args.target, args.device, out=lambda s: _say(args, s))
+    trace_path, test_path = counterexample.write(best, out, name)
+    _say(args, f"\nwrote {trace_path}\nwrote {test_path}\nreplay: kvprop replay {trace_path}")
+    if not result.deterministic:
+        _say(args, "note: with several hypothesis workers, which find is reported depends on timing")
+    summary["find"] = {
+        "kind": best.failure.kind,
+        "origin": best.failure.origin,
+        "message": best.failure.message,
+        "seed": found.seed,
+        "operations_found": len(found.steps),
+        "operations_minimised": len(best.steps),
+        "trace": str(trace_path),
+        "test": str(test_path),
+    }
+    _emit_json(args, summary, verdict="found")
+    return EXIT_FOUND
+
+
+def _canary(args) -> bool:
+    """The canary fault switched on in the target being fuzzed must be found within its budget."""
+    from kvprop.search import fuzz
+
+    _say(args, f"canary: searching target {args.target or 'kvprop'} with the canary fault switched on ...")
+    opts = fuzz.FuzzOptions(
+        seconds=args.canary_seconds,
+        workers=args.workers,
+        seed=args.seed,
+        driver="walk",
+        variant=args.variant,
+        target=args.target,
+        device=args.device,
+        canary=True,
+    )
+    result = fuzz.search(opts)
+    if result.found is None:
+        _say(
+            args,
+            f"canary FAILED: the fault was not found in {args.canary_seconds:g}s ({result.steps:,} steps); "
+            f"refusing to fuzz (the checks would not find a real bug either)",
+        )
+        return False
+    _say(args, f"canary ok: found {result.found.failure.kind} in {result.seconds_to_find:.2f}s")
+    return True
+
+
+# ---- the other commands --------------------------------------------------------------------
+
+
+def _load(args):
+    from kvprop.search import trace as tr
+
+    trace = tr.load(args.file)
+    variant = args.variant if args.variant is not None else trace.variant
+    target = args.target if args.target is not None else trace.target
+    _check_device(args.device)
+    _check_allocator(variant, target)
+    return trace, variant, target
+
+
+def cmd_replay(args) -> int:
+    trace, variant, target = _load(args)
+    print(
+        f"replaying {args.file} ({len(trace.steps)} operations) on variant {variant or 'correct'}, "
+        f"target {target or 'kvprop'}"
+    )
+    failure = _print_steps(trace, variant, target, args.device)
+    if failure is None:
+        print("PASSED: the trace no longer fails")
+        return EXIT_CLEAN
+    recorded = trace.failure.kind if trace.failure else None
+    same = "the recorded violation" if recorded == failure.kind else f"recorded: {recorded}"
+    print(f"REPRODUCED {failure.kind} ({same})")
+    return EXIT_FOUND
+
+
+def cmd_minimise(args) -> int:
+    import attrs
+
+    from kvprop.search import trace as tr
+
+    trace, variant, target = _load(args)
+    out = Path(args.out or args.file)
+    if out.parent and not out.parent.exists():
+        out.parent.mkdir(parents=True)
+    print(f"minimising {args.file} ({len(trace.steps)} operations; Ctrl-C keeps the smallest so far) ...", flush=True)
+    try:
+        best, interrupted = _minimise(args, trace, variant, target)
+    except ValueError as e:
+        print(f"cannot minimise: {e}")
+        return EXIT_CLEAN
+    best = attrs.evolve(best, variant=variant, target=target)
+    tr.save(best, out)
+    stopped = " (interrupted: the smallest so far)" if interrupted else ""
+    print(f"{len(trace.steps)} operations -> {len(best.steps)}{stopped}; wrote {out}")
+    _print_steps(best, variant, target, args.device)
+    return EXIT_FOUND
+
+
+def cmd_emit_test(args) -> int:
+    from kvprop.repro import regress
+    from kvprop.search import trace as tr
+
+    trace = tr.load(args.file)
+    source = regress.render(trace, source=Path(args.file).name)
+    out = Path(args.out) if args.out else Path(args.file).with_name(f"test_{regress.test_name(trace)}.py")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_dir():
+        raise ConfigError(f"--out {str(out)!r} is a directory; give the test file's path")
+    out.write_text(source, encoding="utf-8")
+    print(f"wrote {out}")
+    return EXIT_CLEAN
+
+
+def cmd_bugs(args) -> int:
+    from kvprop.repro.minimise import minimise
+    from kvprop.search import fuzz
+    from kvprop.search.machine import trace_length
+    from kvprop.targets.variants import VARIANTS
+
+    _check_device(args.device)
+    if not args.json:
+        print(
+            f"kvprop {__version__} bugs: every variant from scratch, driver {args.driver}, "
+            f"{args.seconds_per_bug:g}s each, seed {args.seed}\n"
+            f"{'variant':30s} {'result':9s} {'seconds':>9s} {'steps':>9s}       {'minimised':>4s}",
+            flush=True,
+        )
+    rows = []
+    for name in VARIANTS:
+        opts = fuzz.FuzzOptions(
+            seconds=args.seconds_per_bug,
+            workers=args.workers,
+            seed=args.seed,
+            driver=args.driver,
+            variant=name,
+            device=args.device,
+        )
+        result = fuzz.search(opts)
+        if result.interrupted:
+            raise KeyboardInterrupt
+        best = minimise(result.found, variant=name, device=args.device) if result.found else None
+        rows.append(
+            {
+                "variant": name,
+                "driver": args.driver,
+                "found": result.found is not None,
+                "kind": best.failure.kind if best else None,
+                "seconds": round(result.seconds_to_find, 3) if result.found else None,
+                "steps": result.steps if result.found else None,
+                "minimised_steps": trace_length(best) if best else None,
+            }
+        )
+        if not args.json:
+            r = rows[-1]
+            print(
+                f"{name:30s} {'found' if r['found'] else 'NOT FOUND':9s} "
+                f"{(str(r['seconds']) + 's') if r['found'] else '-':>9s} {str(r['steps'] or '-'):>9s} steps "
+                f"{str(r['minimised_steps'] or '-'):>4s} ({r['kind'] or '-'})",
+                flush=True,
+            )
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    return EXIT_CLEAN if all(r["found"] for r in rows) else EXIT_FOUND
+
+
+def cmd_variants(args) -> int:
+    from kvprop.targets.variants import CORRECT, VARIANTS
+
+    for v in (CORRECT, *VARIANTS.values()):
+        print(f"{v.name:30s} {v.bug}")
+    return EXIT_CLEAN
+
+
+def cmd_bench(args) -> int:
+    from kvprop import bench
+
+    return bench.main(quick=args.quick, as_json=args.json)
+
+
+__all__ = ["KvpropError"]

@@ -1,0 +1,150 @@
+"""The pytest plugin: ``pytest --kvprop-target package.module:factory`` in a user's own suite.
+
+Each test runs a fresh pytest in a temporary project (its own ``pytest.ini``, so neither this
+repository's configuration nor its conftest applies), the way a team's CI would; the plugin
+comes in through the ``pytest11`` entry point of the installed package, never by ``-p``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+from kvprop.search import trace as tr
+from kvprop.search.execute import execute
+
+ROOT = Path(__file__).resolve().parents[1]  # puts tests.example_target on the path of the inner pytest
+CORRECT = "tests.example_target:make_target"
+BUGGY = "tests.example_target:make_buggy_target"
+
+TARGETS = '''
+import random
+
+from kvprop.errors import ConfigError
+from kvprop.search.alphabet import RandomChooser, sample_config
+from tests.example_target import make_target
+
+ONLY = sample_config(RandomChooser(random.Random(0))).allocator
+
+
+def refuse_all(config):
+    raise ConfigError(f"this allocator needs 4096 blocks, got {config.num_blocks}")
+
+
+def build_one_shape(config):
+    """Builds exactly one shape: the probe meets it, Hypothesis never draws it."""
+    if config != ONLY:
+        raise ConfigError("not the one shape this allocator builds")
+    return make_target(config)
+
+
+def crash(config):
+    return {}["allocator"]
+'''
+
+
+@pytest.fixture
+def project(tmp_path):
+    """A user's project: its own pytest.ini, one plain test, and the targets above."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "test_plain.py").write_text("def test_plain():\n    assert True\n")
+    (tmp_path / "my_targets.py").write_text(textwrap.dedent(TARGETS))
+    return tmp_path
+
+
+def pytest_in(where: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "KVPROP_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *args],
+        cwd=where,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def kvprop_run(where: Path, target: str, *args: str) -> subprocess.CompletedProcess:
+    return pytest_in(where, "--kvprop-target", target, "--kvprop-profile", "ci", *args)
+
+
+def test_the_plugin_is_registered_through_the_pytest11_entry_point():
+    assert [e.value for e in entry_points(group="pytest11") if e.name == "kvprop"] == ["kvprop.pytest_plugin"]
+
+
+def test_the_plugin_imports_neither_kvprop_nor_hypothesis_nor_torch():
+    code = (
+        "import sys, kvprop.pytest_plugin; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'hypothesis', 'attrs')"
+        " or m.startswith('kvprop.') and m != 'kvprop.pytest_plugin'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+
+
+def test_without_a_target_nothing_is_added(project):
+    run = pytest_in(project)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "PASSED test_plain.py::test_plain" in run.stdout and "1 passed" in run.stdout
+    assert "kvprop[" not in run.stdout
+
+
+def test_correct_target_passes_beside_the_tests_named(project):
+    run = kvprop_run(project, CORRECT, "--kvprop-examples", "15", "test_plain.py")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"PASSED kvprop[{CORRECT}]" in run.stdout and "2 passed" in run.stdout
+    assert not (project / "counterexamples").exists()
+
+
+def test_buggy_target_fails_with_the_violation_and_a_replayable_trace(project):
+    run = kvprop_run(project, BUGGY, "--kvprop-examples", "150", "--kvprop-out", "found")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert f"FAILED kvprop[{BUGGY}]" in run.stdout and "1 failed, 1 passed" in run.stdout
+    assert f"kvprop: target {BUGGY!r} failed block-in-two-groups (Hypothesis, profile ci" in run.stdout
+    assert "Traceback" not in run.stdout and "During handling" not in run.stdout
+    replay = next(line for line in run.stdout.splitlines() if line.startswith("replay: kvprop replay "))
+    path = project / replay.removeprefix("replay: kvprop replay ")
+    assert path.parent == project / "found" and path.suffix == ".json"
+    assert len(list(path.parent.glob("*.found.json"))) == 1  # the trace as found, beside the minimised one
+    trace = tr.load(path)
+    assert trace.target == BUGGY and trace.failure.kind == "block-in-two-groups"
+    assert execute(trace, target=BUGGY).kind == "block-in-two-groups"  # what `kvprop replay` reruns
+    assert execute(trace, target=CORRECT) is None
+
+
+@pytest.mark.parametrize(
+    ("target", "extra", "says"),
+    [
+        ("no_such_module:make_target", (), "target 'no_such_module:make_target': cannot import 'no_such_module'"),
+        (
+            "my_targets:refuse_all",
+            (),
+            "target 'my_targets:refuse_all' could not build any of 64 sampled configurations; "
+            "first refusal: this allocator needs 4096 blocks, got ",
+        ),
+        (
+            "my_targets:build_one_shape",
+            ("--kvprop-examples", "5"),
+            "target 'my_targets:build_one_shape' could build none of the configurations Hypothesis drew",
+        ),
+        ("my_targets:crash", (), "could not build an engine: target-crash: KeyError raised by the target's factory()"),
+        (CORRECT, ("--kvprop-variant", "evict-keeps-hash"), "applies to --kvprop-target kvprop only"),
+    ],
+    ids=["unimportable", "refuses-all", "unsatisfiable", "factory-crashes", "variant-on-a-path-target"],
+)
+def test_a_target_that_cannot_run_fails_with_kvprops_message(project, target, extra, says):
+    (project / "test_plain.py").unlink()  # the kvprop item is all the session collects
+    run = kvprop_run(project, target, *extra)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert f"FAILED kvprop[{target}]" in run.stdout and "1 failed in" in run.stdout
+    message = next(line for line in run.stdout.splitlines() if line.startswith("kvprop: "))
+    assert says in message, run.stdout
+    assert "Unsatisfiable" not in run.stdout and "Traceback" not in run.stdout
+    assert not (project / "counterexamples").exists()
