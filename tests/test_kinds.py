@@ -50,8 +50,8 @@ def test_each_kind_is_raised_by_exactly_one_function():
     assert {k: sorted(f) for k, f in raised_kinds().items() if len(f) > 1} == {}
 
 
-def test_every_kind_is_raised_by_the_invariants_module():
-    assert {k for k, f in raised_kinds().items() if any(not w.startswith("check/invariants.py") for w in f)} == set()
+def test_every_kind_is_raised_by_the_check_layer():
+    assert {k for k, f in raised_kinds().items() if any(not w.startswith("check/") for w in f)} == set()
 
 
 # ---- every kind fires: build a sound state by real calls, break one thing, name the kind ----
@@ -522,3 +522,56 @@ def test_every_kind_is_produced_by_a_test_here():
     assert EXERCISED <= set(KINDS)
     assert EXERCISED.isdisjoint(UNREACHABLE)
     assert set(KINDS) - EXERCISED == UNREACHABLE
+
+
+# ---- decisions (10), cached counts (6) and idle bookkeeping (12): a one-line bug, found by a walk ----
+
+DECISION_CASES = [
+    ("capacity-overcount", "spurious-refusal"),
+    ("hit-stops-early", "hit-too-short"),
+    ("free-keeps-cached-count", "freed-request-remains"),
+    ("hits-recached", "cached-count-behind"),
+]
+
+
+@pytest.mark.parametrize(("variant", "kind"), DECISION_CASES)
+def test_decision_and_bookkeeping_kinds_fire_on_a_walk(variant, kind, monkeypatch):
+    from kvprop.allocator import guards
+    from kvprop.search.walk import run_walk
+
+    monkeypatch.setattr(guards, "ENABLED", False)  # hits-recached would trip the pool's own guard first
+    failure = next(f for f in (run_walk(seed, variant=variant).failure for seed in range(500)) if f is not None)
+    assert failure.kind == kind
+
+
+def _admitting_engine():
+    from kvprop.check.checker import Checker
+
+    checker = Checker()
+    eng = engine([FullAttention(2)], 6, hooks=checker, token_budget=64)
+    eng.add_request([1, 2, 3, 4, 5], 1)
+    eng.step()
+    checker.check_all(eng)
+    eng.add_request([1, 2, 3, 4, 5, 6, 7], 1)
+    return eng
+
+
+def test_an_allocation_beyond_the_pool_that_is_attempted_is_accepted_beyond_capacity(monkeypatch):
+    eng = _admitting_engine()
+    monkeypatch.setattr(eng.allocator.coordinator, "count_blocks_to_allocate", lambda *a: 0)
+    eng.add_request([3, 3, 3, 3, 3, 3, 3, 3], 1)
+    with pytest.raises(Violation) as info:
+        eng.step()
+    assert info.value.kind == "accepted-beyond-capacity"
+
+
+def test_a_hit_longer_than_the_cache_holds_is_hit_too_long(monkeypatch):
+    eng = _admitting_engine()
+    real = eng.allocator.get_computed_blocks
+    monkeypatch.setattr(eng.allocator, "get_computed_blocks", lambda r: (real(r)[0], real(r)[1] + 2))
+    with pytest.raises(Violation) as info:
+        eng.step()
+    assert info.value.kind == "hit-too-long"
+
+
+EXERCISED |= {k for _, k in DECISION_CASES} | {"accepted-beyond-capacity", "hit-too-long"}

@@ -11,7 +11,11 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvprop"
 LAYERS = ("allocator", "sim", "check", "targets", "search", "repro", "top")
-FOUNDATION = {"kvprop", "kvprop.__version__", "kvprop.errors"}  # the version string and the shared exceptions, below every layer
+FOUNDATION = {
+    "kvprop",
+    "kvprop.__version__",
+    "kvprop.errors",
+}  # the version string and the shared exceptions, below every layer
 
 
 def layer_of(module: str) -> str:

@@ -38,3 +38,32 @@ def test_machine_finds_variant_from_scratch(variant, record_property):
         f"minimised to {length} steps"
     )
     assert length <= MAX_SHRUNK.get(variant, 12)
+
+
+# What catches each variant when kvprop's allocator runs without its own guards: always an
+# invariant, never a guard or a crash (an allocator under test need not have guards).
+CAUGHT_WITHOUT_GUARDS = {
+    "interleaved-external-alloc": "block-in-two-groups",
+    "touch-before-capacity-check": "ref-cnt-mismatch",
+    "evict-keeps-hash": "cache-map-stale",
+    "swa-skip-off-by-one": "null-in-attended-range",
+    "hits-recached": "cached-count-behind",
+    "free-during-async-load": "freed-request-remains",
+    "capacity-overcount": "spurious-refusal",
+    "hit-stops-early": "hit-too-short",
+    "free-keeps-cached-count": "freed-request-remains",
+}
+
+
+def test_the_guard_free_table_names_every_variant():
+    assert sorted(CAUGHT_WITHOUT_GUARDS) == sorted(VARIANTS)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_walker_finds_variant_by_an_invariant_with_the_guards_off(variant, monkeypatch):
+    from kvprop.allocator import guards
+    from kvprop.search.walk import run_walk
+
+    monkeypatch.setattr(guards, "ENABLED", False)
+    failure = next(f for f in (run_walk(seed, variant=variant).failure for seed in range(3000)) if f is not None)
+    assert (failure.origin, failure.kind) == ("violation", CAUGHT_WITHOUT_GUARDS[variant])

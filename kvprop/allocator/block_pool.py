@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator
 
 import attrs
 
+from kvprop.allocator import guards
 from kvprop.errors import AllocatorError
 
 CacheKey = tuple  # (block hash, group id)
@@ -45,13 +46,13 @@ class FreeBlockQueue:
 
     def popleft(self) -> Block:
         block = self.head.next
-        if block is self.tail:
+        if guards.ENABLED and block is self.tail:
             raise AllocatorError("popleft from an empty free queue")
         self.remove(block)
         return block
 
     def remove(self, block: Block) -> None:
-        if block.prev is None or block.next is None:
+        if guards.ENABLED and (block.prev is None or block.next is None):
             raise AllocatorError(f"block {block.block_id} is not in the free queue")
         block.prev.next = block.next
         block.next.prev = block.prev
@@ -60,7 +61,7 @@ class FreeBlockQueue:
         self.changed.add(block.block_id)
 
     def insert_after(self, anchor: Block, block: Block) -> None:
-        if block.prev is not None or block.next is not None:
+        if guards.ENABLED and (block.prev is not None or block.next is not None):
             raise AllocatorError(f"block {block.block_id} is already in the free queue")
         block.prev, block.next = anchor, anchor.next
         anchor.next.prev = block
@@ -119,12 +120,12 @@ class BlockPool:
         return next(iter(entry.values()))
 
     def get_new_blocks(self, n: int) -> list[Block]:
-        if n > self.free_queue.num_free:
+        if guards.ENABLED and n > self.free_queue.num_free:
             raise AllocatorError(f"get_new_blocks({n}) with only {self.free_queue.num_free} free blocks")
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
-            if block.ref_cnt != 0:
+            if guards.ENABLED and block.ref_cnt != 0:
                 raise AllocatorError(f"block {block.block_id} was in the free queue with ref_cnt {block.ref_cnt}")
             self._evict(block)
             block.ref_cnt = 1
@@ -164,7 +165,7 @@ class BlockPool:
         for block in ordered:
             if block.is_null:
                 continue
-            if block.ref_cnt <= 0:
+            if guards.ENABLED and block.ref_cnt <= 0:
                 raise AllocatorError(f"free of block {block.block_id} with ref_cnt {block.ref_cnt}")
             block.ref_cnt -= 1
             self.changed.add(block.block_id)
@@ -176,9 +177,9 @@ class BlockPool:
                     self.free_queue.append(block)
 
     def cache_block(self, block: Block, block_hash: int, group_id: int) -> None:
-        if block.is_null:
+        if guards.ENABLED and block.is_null:
             raise AllocatorError("the null block is never cached")
-        if block.key is not None:
+        if guards.ENABLED and block.key is not None:
             raise AllocatorError(
                 f"block {block.block_id} is already cached as {block.key}; caching it again as "
                 f"{(block_hash, group_id)} would give it two identities"

@@ -7,6 +7,7 @@ group's pops can evict a block another group is about to claim as a hit.
 
 from __future__ import annotations
 
+from kvprop.allocator import guards
 from kvprop.allocator.block_pool import Block, BlockPool
 from kvprop.allocator.managers import MANAGER_FOR_SPEC, SingleTypeManager
 from kvprop.allocator.specs import AllocatorConfig
@@ -52,7 +53,7 @@ class KVCacheCoordinator:
 
     def allocate_new_computed_blocks(self, request_id, hits, num_local: int, num_external: int) -> None:
         if self.is_admitted(request_id):
-            if any(hits):
+            if guards.ENABLED and any(hits):
                 raise AssertionError(f"admitted request {request_id} cannot take new cache hits")
             return
         total = num_local + num_external

@@ -6,6 +6,7 @@ in what counts as a cache hit; allocation, caching and freeing are shared.
 
 from __future__ import annotations
 
+from kvprop.allocator import guards
 from kvprop.allocator.block_pool import Block, BlockPool
 from kvprop.allocator.specs import ChunkedLocal, FullAttention, SlidingWindow, cdiv
 
@@ -62,7 +63,7 @@ class SingleTypeManager:
 
     def add_local_computed_blocks(self, request_id: str, hits: list[Block], total_computed_tokens: int) -> None:
         """Phase 1 of admission: touch this group's hits and register the request."""
-        if self.req_to_blocks.get(request_id):
+        if guards.ENABLED and self.req_to_blocks.get(request_id):
             raise AssertionError(f"request {request_id} already has blocks in group {self.group_id}")
         num_skipped = self.skipped_tokens(total_computed_tokens) // self.block_size
         kept = hits[num_skipped:]

@@ -9,6 +9,7 @@ changed, checks are incremental (see ``incremental``) with a full sweep every
 
 from __future__ import annotations
 
+from kvprop.check import decisions
 from kvprop.check import invariants as inv
 from kvprop.check.mirror import Mirror
 from kvprop.sim.engine import Hooks
@@ -47,35 +48,50 @@ class Checker(Hooks):
 
     # ---- in-step hooks ----------------------------------------------------------------
 
-    def before_allocation(self, engine, request):
+    def before_allocation(self, engine, request, num_new_tokens: int, kwargs: dict):
         if not self.enabled:
             return None
+        bounds = decisions.capacity_bounds(engine, request, num_new_tokens, kwargs)
         if not self.incremental(engine):
-            return inv.snapshot(engine.view, request.request_id)
+            return bounds, inv.snapshot(engine.view, request.request_id)
         view = engine.view
         # Set aside what changed before this allocation, so that afterwards the pool reports
         # only what the allocation itself changed; both are judged after it.
         self.pending_changes |= view.take_changes()
-        return [view.request_block_ids(g, request.request_id) for g in range(view.num_groups)]
+        return bounds, [view.request_block_ids(g, request.request_id) for g in range(view.num_groups)]
 
     def after_allocation(self, engine, request, token, result, computed: int) -> None:
         if not self.enabled:
             return
+        bounds, before = token
         if not self.incremental(engine):
             if result is None:
-                inv.check_refusal(engine.view, request.request_id, token)
+                inv.check_refusal(engine.view, request.request_id, before)
             else:
                 self.check_structure(engine, {request.request_id: computed}, frozenset([request.request_id]))
-            return
-        self.dirty.add(request.request_id)
-        if result is None:
-            self._check_refusal_changes(engine, request.request_id, token)
-            self.check_structure(engine, in_step=True)
         else:
-            self.check_structure(engine, {request.request_id: computed}, frozenset([request.request_id]), in_step=True)
+            self.dirty.add(request.request_id)
+            if result is None:
+                self._check_refusal_changes(engine, request.request_id, before)
+                self.check_structure(engine, in_step=True)
+            else:
+                admitted = frozenset([request.request_id])
+                self.check_structure(engine, {request.request_id: computed}, admitted, in_step=True)
+        decisions.allocation_decision(request, bounds, result is not None)
+
+    def allocation_crashed(self, engine, request, token) -> None:
+        """An allocation the pool cannot hold must be refused, not attempted until it runs out."""
+        if self.enabled:
+            decisions.allocation_decision(request, token[0], accepted=True)
+
+    def after_hit(self, engine, request, hits, num_hit: int) -> None:
+        if self.enabled:
+            decisions.hit_length(engine, request, num_hit)
 
     def after_free(self, engine, request) -> None:
         self.dirty.add(request.request_id)
+        if self.enabled:
+            inv.freed_request_gone(engine, engine.view, request)
 
     def at_handoff(self, engine, request, tables, num_local: int, num_external: int) -> None:
         if self.enabled:
@@ -113,6 +129,7 @@ class Checker(Hooks):
         if self.mirror is None:
             self.mirror = Mirror(view)
         changed = view.take_changes() | self.pending_changes
+        changed.add(view.null_block_id)  # the null block's own state, at every check
         self.pending_changes = set()
         changed_tables = self.mirror.sync(changed, requests=self.dirty if in_step else None)
         self.dirty = set()

@@ -197,6 +197,19 @@ def own_cache_key(block_hash: int, group: int):
     return (block_hash, group)
 
 
+def _own_cached_run(table, hashes, keys, group: int, null: int) -> int:
+    """Length of the table's leading run of blocks cached under the request's own hashes (skipped
+    null blocks inside it included, trailing ones not): blocks this request cached or hit."""
+    run = 0
+    for i, (block_id, block_hash) in enumerate(zip(table, hashes)):
+        if block_id == null:
+            continue
+        if keys[block_id] != own_cache_key(block_hash, group):
+            break
+        run = i + 1
+    return run
+
+
 def computed_tokens(request, pending: dict) -> int:
     """Tokens whose KV the request's table must cover, counting an in-flight load."""
     if request.request_id in pending:
@@ -267,6 +280,15 @@ def check_tables(
                     "cached-count",
                     f"{rid!r} group {g} counts {num_cached} cached blocks with {len(table)} "
                     f"blocks and {len(request.block_hashes)} full blocks",
+                    requests=[rid],
+                    groups=[g],
+                )
+            cached_run = _own_cached_run(table, request.block_hashes, keys, g, null)
+            if num_cached < cached_run:
+                raise Violation(
+                    "cached-count-behind",
+                    f"{rid!r} group {g} counts {num_cached} cached blocks but its first {cached_run} blocks are "
+                    f"cached under its own hashes: caching resumes too early and would cache them twice",
                     requests=[rid],
                     groups=[g],
                 )
@@ -462,6 +484,28 @@ def liveness(engine, steps: int | None = None) -> None:
             f"{len(engine.requests)} requests still live {after}: {sorted(engine.requests)}",
             requests=sorted(engine.requests),
         )
+
+
+# ---- 12. idle bookkeeping --------------------------------------------------------------------
+
+
+def freed_request_gone(engine, view, request) -> None:
+    """12. Once a request is freed (finish, abort, preemption, failed load) no group keeps a table
+    or a cached-block count for it, and no load is pending for it."""
+    rid = request.request_id
+    for g in range(view.num_groups):
+        table, count = view.request_block_ids(g, rid), view.num_cached_blocks(g, rid)
+        if table is not None or count is not None:
+            raise Violation(
+                "freed-request-remains",
+                f"freed {rid!r} still has {'a table ' + str(table) if table is not None else ''}"
+                f"{' and ' if table is not None and count is not None else ''}"
+                f"{'a cached-block count ' + str(count) if count is not None else ''} in group {g}",
+                requests=[rid],
+                groups=[g],
+            )
+    if engine.connector is not None and rid in engine.connector.pending:
+        raise Violation("freed-request-remains", f"freed {rid!r} still has a load pending", requests=[rid])
 
 
 # ---- 6 and 7 at the moments blocks change hands ---------------------------------------------

@@ -1,7 +1,7 @@
 """Every violation kind, with the invariant it belongs to and the sentence it breaks.
 
 One registry, so a kind cannot be worded two ways: each kind is raised by exactly one
-function in ``kvprop.check.invariants`` (a test walks the code to hold that), and
+function in ``kvprop.check`` (a test walks the code to hold that), and
 ``docs/design.md`` says why each sentence holds for a correct allocator.
 """
 
@@ -41,6 +41,7 @@ KINDS = {
         Kind("null-in-attended-range", 6, "the null block stands only where the attention type skips"),
         Kind("cached-count", 6, "a request's cached-block count fits its table and its full blocks"),
         Kind("cached-block-lost-hash", 6, "a block counted as cached carries the request's own hash"),
+        Kind("cached-count-behind", 6, "a request counts as cached every leading block cached under its own hash"),
         Kind("table-too-short", 6, "a table has a block for every position being computed"),
         Kind("data-mismatch", 7, "every computed position and cached block reads back its fingerprint"),
         Kind("write-to-null-block", 7, "nothing is computed into the null block"),
@@ -53,5 +54,10 @@ KINDS = {
         Kind("refusal-changed-queue", 8, "a refused allocation neither reorders nor takes from the free queue"),
         Kind("refusal-changed-state", 8, "a refused allocation changes no block but the skipped blocks it freed"),
         Kind("liveness", 9, "with arrivals stopped, every request ends and every block returns"),
+        Kind("spurious-refusal", 10, "an allocation that fits under every count of the pool is granted"),
+        Kind("accepted-beyond-capacity", 10, "an allocation that fits under no count of the pool is refused"),
+        Kind("hit-too-short", 10, "a cache hit is as long as the cache map allows"),
+        Kind("hit-too-long", 10, "a cache hit covers only what the cache map holds"),
+        Kind("freed-request-remains", 12, "a freed request leaves no table, cached count or pending load"),
     )
 }

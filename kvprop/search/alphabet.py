@@ -1,10 +1,10 @@
 """The operation alphabet and the configuration sampler, shared by every driver.
 
-The state machine (CI, shrinking) and the seeded walker (long fuzzing) both draw a
+The state machine (CI, generation heuristics) and the seeded walker (long fuzzing) both draw a
 configuration with ``sample_config`` and apply these operations to a ``Harness``; a trace
 is a configuration plus a list of operations. This module imports neither torch nor the
 engine, so reading a trace file needs only it and the specs. Arguments are small integers — indices and
-seeds, never big data — so that both shrinkers can reduce them toward zero.
+seeds, never big data — so that Hypothesis and kvprop's minimiser can reduce them toward zero.
 """
 
 from __future__ import annotations

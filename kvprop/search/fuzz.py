@@ -152,8 +152,10 @@ def _hypothesis_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: 
     stopping = [False]
 
     def on_example():
-        if stop.is_set() or _orphaned(parent) or (
-            opts.max_runs is not None and machine.counters["examples"] >= opts.max_runs
+        if (
+            stop.is_set()
+            or _orphaned(parent)
+            or (opts.max_runs is not None and machine.counters["examples"] >= opts.max_runs)
         ):
             stopping[0] = True
             raise _Stop

@@ -35,7 +35,7 @@ class Harness:
     def derive_tokens(self, parent: int, cut: int, extra: int, seed: int) -> list[int]:
         """The ``parent``-th most recent prompt less its last ``cut`` tokens, then ``extra`` fresh
         ones: counting from the most recent makes chains of shared prefixes (A, A+x, A+x+y) common,
-        and ``cut=0`` (what shrinking tends to) shares the whole parent."""
+        and ``cut=0`` (what minimising tends to) shares the whole parent."""
         source = self.prompts[-1 - parent % len(self.prompts)] if self.prompts else []
         base = source[: max(0, len(source) - cut)]
         self.prompt_tokens += len(base) + extra

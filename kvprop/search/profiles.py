@@ -5,7 +5,7 @@ profile sets ``deadline`` and ``suppress_health_check`` itself, because a machin
 ``@settings`` would drop the stateful defaults.
 
 ``ci`` and ``fuzz`` leave out Hypothesis's shrink phase: on a 100-step failing example it
-ran into Hypothesis's 300 s shrinking limit here, while kvprop's own minimiser shrinks the
+ran into Hypothesis's 300 s shrinking limit here, while kvprop's own minimiser reduces the
 same failure (as a trace) in seconds. ``dev`` and ``repro`` keep it.
 """
 

@@ -16,7 +16,7 @@ import attrs
 
 from kvprop.allocator.hashing import fingerprint
 from kvprop.allocator.specs import EngineConfig, cdiv
-from kvprop.errors import RequestError
+from kvprop.errors import RequestError, TargetCrash
 from kvprop.sim.boundary import Boundary
 from kvprop.sim.connector import Connector
 from kvprop.sim.memory import PagedMemory
@@ -37,8 +37,14 @@ EVENTS = (
 class Hooks:
     """Where a harness checks state inside a step; the default checks nothing."""
 
-    def before_allocation(self, engine, request):
+    def before_allocation(self, engine, request, num_new_tokens: int, kwargs: dict):
         return None
+
+    def allocation_crashed(self, engine, request, token) -> None:
+        """allocate_slots raised (the TargetCrash propagates after this returns)."""
+
+    def after_hit(self, engine, request, hits, num_hit: int) -> None:
+        """get_computed_blocks answered ``request`` at admission."""
 
     def after_allocation(self, engine, request, token, result, computed: int) -> None:
         pass
@@ -209,8 +215,12 @@ class Engine:
     # ---- scheduling -------------------------------------------------------------------
 
     def _allocate(self, request: Request, num_new_tokens: int, **kwargs):
-        token = self.hooks.before_allocation(self, request)
-        result = self.boundary.allocate_slots(request, num_new_tokens, **kwargs)
+        token = self.hooks.before_allocation(self, request, num_new_tokens, kwargs)
+        try:
+            result = self.boundary.allocate_slots(request, num_new_tokens, **kwargs)
+        except TargetCrash:
+            self.hooks.allocation_crashed(self, request, token)
+            raise
         computed = (
             request.num_computed_tokens
             + kwargs.get("num_new_computed_tokens", 0)
@@ -250,6 +260,7 @@ class Engine:
         while self.waiting and budget > 0:
             request = self.waiting[0]
             hits, num_hit = self.boundary.get_computed_blocks(request)
+            self.hooks.after_hit(self, request, hits, num_hit)
             ext = 0
             if self.connector is not None and not request.load_failed:
                 ext = self.connector.num_new_matched_tokens(request, num_hit)

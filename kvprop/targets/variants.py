@@ -11,8 +11,13 @@ import attrs
 from kvprop.allocator.block_pool import BlockPool
 from kvprop.allocator.coordinator import HybridCoordinator, UnitaryCoordinator
 from kvprop.allocator.manager import KVCacheManager, Parts
-from kvprop.allocator.managers import MANAGER_FOR_SPEC, SingleTypeManager, SlidingWindowManager
-from kvprop.allocator.specs import SlidingWindow
+from kvprop.allocator.managers import (
+    MANAGER_FOR_SPEC,
+    FullAttentionManager,
+    SingleTypeManager,
+    SlidingWindowManager,
+)
+from kvprop.allocator.specs import FullAttention, SlidingWindow
 from kvprop.errors import ConfigError
 from kvprop.sim.engine import Engine
 from kvprop.sim.request import Status
@@ -124,6 +129,37 @@ class FreeDuringAsyncLoad(Engine):
         super().abort(request_id)
 
 
+def _mixed_managers(mixin: type) -> dict:
+    """Every attention type's manager with ``mixin`` in front (one bug in the shared base)."""
+    return {spec: type(f"{mixin.__name__}{cls.__name__}", (mixin, cls), {}) for spec, cls in MANAGER_FOR_SPEC.items()}
+
+
+class CapacityOvercount(SingleTypeManager):
+    """Counts one block more than an admission needs, so an allocation that exactly fits is refused."""
+
+    def count_blocks_to_allocate(self, request_id, num_tokens, hits, total_computed_tokens):
+        needed = super().count_blocks_to_allocate(request_id, num_tokens, hits, total_computed_tokens)
+        return needed if request_id in self.num_cached_block else needed + 1
+
+
+class HitStopsEarly(FullAttentionManager):
+    """Stops the full-attention hit one block before the end of a run of three or more."""
+
+    def find_longest_cache_hit(self, block_hashes, max_length):
+        hits = super().find_longest_cache_hit(block_hashes, max_length)
+        return hits[:-1] if len(hits) >= 3 else hits
+
+
+class FreeKeepsCachedCount(SingleTypeManager):
+    """Freeing a request forgets its table but keeps its cached-block count."""
+
+    def free(self, request_id):
+        kept = self.num_cached_block.get(request_id)
+        super().free(request_id)
+        if kept is not None:
+            self.num_cached_block[request_id] = kept
+
+
 @attrs.frozen
 class Variant:
     name: str
@@ -165,6 +201,21 @@ VARIANTS = {
             "free-during-async-load",
             "aborting a request frees blocks an external load is still writing",
             engine=FreeDuringAsyncLoad,
+        ),
+        Variant(
+            "capacity-overcount",
+            "an admission is counted one block larger than it is, so one that exactly fits is refused",
+            parts=Parts(managers=_mixed_managers(CapacityOvercount)),
+        ),
+        Variant(
+            "hit-stops-early",
+            "the full-attention hit stops one block short of what the cache holds",
+            parts=Parts(managers={**MANAGER_FOR_SPEC, FullAttention: HitStopsEarly}),
+        ),
+        Variant(
+            "free-keeps-cached-count",
+            "freeing a request leaves its cached-block count behind",
+            parts=Parts(managers=_mixed_managers(FreeKeepsCachedCount)),
         ),
     )
 }

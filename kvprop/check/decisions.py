@@ -1,0 +1,109 @@
+"""Oracles for the allocator's decisions, computed from the view alone: may this allocation be
+refused, must it be; how long a cache hit the prefix cache allows.
+
+A wrong refusal leaves state untouched and a too-short hit only wastes work, so no state
+check sees either; these judge the answer itself. They state the contract loosely enough
+for every target: an allocation must be accepted when it fits under the most
+conservative count (every evictable hit block counted as taken, no window-skipped block
+counted as freed), and must be refused when it does not fit under the most generous one
+(hit blocks the window skips need nothing, skipped blocks the request alone holds are
+freed first). Between the two bounds either answer is the target's to choose.
+"""
+
+from __future__ import annotations
+
+from kvprop.allocator.specs import ChunkedLocal, SlidingWindow, cdiv
+from kvprop.errors import Violation
+
+
+def capacity_bounds(engine, request, num_new_tokens: int, kwargs) -> tuple[int, int, int, int]:
+    """(generous need, conservative need, free blocks now, blocks the window's skipping frees)."""
+    view = engine.view
+    bs, null = view.block_size, view.null_block_id
+    hits = kwargs.get("new_computed_blocks")
+    computed = (
+        request.num_computed_tokens
+        + kwargs.get("num_new_computed_tokens", 0)
+        + kwargs.get("num_external_computed_tokens", 0)
+    )
+    slots = computed + num_new_tokens + kwargs.get("num_lookahead_tokens", 0)
+    generous = conservative = freed = 0
+    for g, spec in enumerate(engine.specs):
+        skipped = spec.skipped_tokens(computed) // bs
+        table = view.request_block_ids(g, request.request_id)
+        if table is not None:
+            grow = max(0, cdiv(slots, bs) - len(table))
+            generous, conservative = generous + grow, conservative + grow
+            freed += sum(1 for b in table[:skipped] if b != null and view.ref_cnt(b) == 1)
+            continue
+        group_hits = [b.block_id for b in hits[g]] if hits is not None else []
+        evictable = [i for i, b in enumerate(group_hits) if b != null and view.ref_cnt(b) == 0]
+        generous += max(0, cdiv(slots, bs) - max(skipped, len(group_hits))) + sum(i >= skipped for i in evictable)
+        conservative += max(0, cdiv(slots, bs) - len(group_hits)) + len(evictable)
+    return generous, conservative, view.num_free_blocks, freed
+
+
+def allocation_decision(request, bounds, accepted: bool) -> None:
+    """10. An allocation that fits under every count is granted; one that fits under none is refused."""
+    generous, conservative, free, freed = bounds
+    if not accepted and conservative <= free:
+        raise Violation(
+            "spurious-refusal",
+            f"allocate_slots refused {request.request_id!r}, which needs at most {conservative} blocks "
+            f"with {free} free",
+            requests=[request.request_id],
+        )
+    if accepted and generous > free + freed:
+        raise Violation(
+            "accepted-beyond-capacity",
+            f"allocate_slots granted {request.request_id!r}, which needs at least {generous} blocks "
+            f"with {free} free and {freed} freed by its window",
+            requests=[request.request_id],
+        )
+
+
+def _group_hit(spec, cached, group: int, hashes, max_length: int) -> int:
+    """Hit tokens group ``group`` allows within ``max_length`` tokens (kvprop's spec rules)."""
+    bs = spec.block_size
+    n = min(max_length // bs, len(hashes))
+    if isinstance(spec, SlidingWindow):
+        need, run = spec.hit_blocks_needed, 0
+        for i in range(n - 1, -1, -1):
+            run = run + 1 if (hashes[i], group) in cached else 0
+            if run >= max(need, 1) or (run and i == 0):
+                return (i + run) * bs
+        return 0
+    start = (max_length // spec.chunk) * spec.chunk // bs if isinstance(spec, ChunkedLocal) else 0
+    if start > len(hashes):
+        return 0
+    i = start
+    while i < n and (hashes[i], group) in cached:
+        i += 1
+    return i * bs
+
+
+def longest_hit(engine, request) -> int:
+    """The hit length the cache map allows: each group shrinks the candidate to what it can
+    serve until none shrinks it further; never the last token."""
+    if not engine.config.allocator.enable_caching:
+        return 0
+    cached = {key for key, _ in engine.view.cache_map_items()}
+    length = request.num_tokens - 1
+    while True:
+        candidate = length
+        for g, spec in enumerate(engine.specs):
+            candidate = _group_hit(spec, cached, g, request.block_hashes, candidate)
+        if candidate == length:
+            return length
+        length = candidate
+
+
+def hit_length(engine, request, num_hit: int) -> None:
+    """10. get_computed_blocks reports the longest hit the cache allows: shorter wastes work,
+    longer claims data that is not cached."""
+    expected = longest_hit(engine, request)
+    said = f"get_computed_blocks gave {request.request_id!r} a hit of {num_hit} tokens"
+    if num_hit < expected:
+        raise Violation("hit-too-short", f"{said}; the cache map holds {expected}", requests=[request.request_id])
+    if num_hit > expected:
+        raise Violation("hit-too-long", f"{said}; the cache map holds only {expected}", requests=[request.request_id])
