@@ -96,9 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = command("fuzz", c.cmd_fuzz, "search for a violation until the budget ends (exit 1 found, 0 clean)")
     f.add_argument("--seconds", type=seconds, default=60.0, help="time budget, counted from the command's start")
-    f.add_argument("--workers", type=workers, default=cores(), help="worker processes (default: the cores)")
+    f.add_argument("--workers", type=workers, default=cores(), help="worker processes (the default is the cores)")
     f.add_argument(
-        "--seed", type=seed, default=None, help="run seed; each walk's seed is a hash of it (default: from the clock)"
+        "--seed",
+        type=seed,
+        default=argparse.SUPPRESS,
+        help="run seed; each walk's seed is a hash of it (from the clock when not given)",
     )
     f.add_argument(
         "--driver", default="walk", choices=DRIVERS, help="walk: fast seeded walker; hypothesis: state machine"

@@ -72,11 +72,12 @@ def _minimise(args, found, variant, target):
             last[0] = time.monotonic()
             _say(args, f"  minimising: {len(best.steps)} operations ({replays} replays)")
 
-    minimiser = minimiser_for(found, variant=variant, target=target, device=args.device, progress=progress)
+    minimiser = None
     try:
+        minimiser = minimiser_for(found, variant=variant, target=target, device=args.device, progress=progress)
         return minimiser.run(), False
     except KeyboardInterrupt:
-        return minimiser.best, True
+        return (minimiser.best if minimiser is not None else found), True
 
 
 # ---- fuzz ---------------------------------------------------------------------------------
@@ -86,7 +87,7 @@ def cmd_fuzz(args) -> int:
     from kvprop.repro import counterexample
     from kvprop.search import fuzz
 
-    if args.seed is None:
+    if getattr(args, "seed", None) is None:
         args.seed = time.time_ns() % 1_000_000_007
     _check_device(args.device)
     _check_allocator(args.variant, args.target)
@@ -172,6 +173,10 @@ def _clean(args, result, summary) -> int:
         _say(
             args, f"the target refused {refused:,} of {result.runs:,} configurations; most often ({count:,}): {reason}"
         )
+    if result.runs == 0:
+        _say(args, f"NOT CLEAN: the {args.seconds:g}s budget ended before any run completed; nothing was tested")
+        _emit_json(args, summary, verdict="untested")
+        return EXIT_USAGE
     if result.steps == 0 or result.executed_runs < MIN_EXECUTED * result.runs:
         _say(
             args,

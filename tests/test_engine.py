@@ -3,8 +3,6 @@ asynchronous external loads. Every invariant is checked inside and after every s
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 from helpers import engine
 

@@ -531,6 +531,7 @@ DECISION_CASES = [
     ("hit-stops-early", "hit-too-short"),
     ("free-keeps-cached-count", "freed-request-remains"),
     ("hits-recached", "cached-count-behind"),
+    ("accepts-negative-external", "misuse-accepted"),
 ]
 
 
@@ -574,4 +575,19 @@ def test_a_hit_longer_than_the_cache_holds_is_hit_too_long(monkeypatch):
     assert info.value.kind == "hit-too-long"
 
 
-EXERCISED |= {k for _, k in DECISION_CASES} | {"accepted-beyond-capacity", "hit-too-long"}
+def test_a_refused_malformed_call_that_changed_state_is_misuse_changed_state(monkeypatch):
+    eng = _admitting_engine()
+    eng.step()
+    assert eng.retired, "a request must have ended for a second free"
+
+    def free_then_refuse(request):
+        eng.allocator.pool.get_new_blocks(1)
+        raise RuntimeError("not admitted")
+
+    monkeypatch.setattr(eng.allocator, "free", free_then_refuse)
+    with pytest.raises(Violation) as info:
+        eng.misuse("free-twice", 0)
+    assert info.value.kind == "misuse-changed-state"
+
+
+EXERCISED |= {k for _, k in DECISION_CASES} | {"accepted-beyond-capacity", "hit-too-long", "misuse-changed-state"}

@@ -44,7 +44,7 @@ def test_machine_finds_variant_from_scratch(variant, record_property):
 # invariant, never a guard or a crash (an allocator under test need not have guards).
 CAUGHT_WITHOUT_GUARDS = {
     "interleaved-external-alloc": "block-in-two-groups",
-    "touch-before-capacity-check": "ref-cnt-mismatch",
+    "touch-before-capacity-check": "cached-count-behind",
     "evict-keeps-hash": "cache-map-stale",
     "swa-skip-off-by-one": "null-in-attended-range",
     "hits-recached": "cached-count-behind",
@@ -52,6 +52,7 @@ CAUGHT_WITHOUT_GUARDS = {
     "capacity-overcount": "spurious-refusal",
     "hit-stops-early": "hit-too-short",
     "free-keeps-cached-count": "freed-request-remains",
+    "accepts-negative-external": "misuse-accepted",
 }
 
 

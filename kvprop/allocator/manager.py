@@ -22,6 +22,19 @@ class Parts:
 
 
 class KVCacheManager:
+    """The facade a scheduler calls. ``caller_contract`` names the malformed calls it refuses
+    (with an error, changing nothing); the harness makes exactly those (``Engine.misuse``)."""
+
+    caller_contract = {
+        "negative-external": "refuses",
+        "too-many-external": "refuses",
+        "zero-new-tokens": "refuses",
+        "free-twice": "refuses",
+        "free-unadmitted": "refuses",
+        "cache-past-end": "refuses",
+        "stale-hits": "refuses",
+    }
+
     def __init__(self, config: AllocatorConfig, parts: Parts | None = None):
         parts = parts or Parts()
         self.config = config
@@ -60,18 +73,14 @@ class KVCacheManager:
         A refusal changes nothing but the skipped blocks it freed: the capacity check runs
         before any hit is touched, and counts hits still in the free queue as taken.
         """
-        if num_new_tokens < 0 or (num_new_tokens == 0 and num_external_computed_tokens <= 0):
-            raise RequestError(
-                f"allocate_slots: num_new_tokens must be >= 1 (or 0 with num_external_computed_tokens > 0), "
-                f"got num_new_tokens={num_new_tokens}, num_external_computed_tokens={num_external_computed_tokens}"
-            )
-        for name, value in (
-            ("num_new_computed_tokens", num_new_computed_tokens),
-            ("num_lookahead_tokens", num_lookahead_tokens),
-            ("num_external_computed_tokens", num_external_computed_tokens),
-        ):
-            if value < 0:
-                raise RequestError(f"allocate_slots: {name} must be >= 0, got {value}")
+        self.validate_allocation(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+        )
         hits = new_computed_blocks if new_computed_blocks is not None else self.empty_hits()
         request_id = request.request_id
         num_local = request.num_computed_tokens + num_new_computed_tokens
@@ -88,7 +97,43 @@ class KVCacheManager:
             self.coordinator.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         return new_blocks
 
+    def validate_allocation(self, request, num_new_tokens, num_hit, hits, num_lookahead, num_external) -> None:
+        """The caller's side of the contract (``caller_contract``): a malformed call is refused
+        with a RequestError before anything changes."""
+        if num_new_tokens < 0 or (num_new_tokens == 0 and num_external <= 0):
+            raise RequestError(
+                f"allocate_slots: num_new_tokens must be >= 1 (or 0 with num_external_computed_tokens > 0), "
+                f"got num_new_tokens={num_new_tokens}, num_external_computed_tokens={num_external}"
+            )
+        for name, value in (
+            ("num_new_computed_tokens", num_hit),
+            ("num_lookahead_tokens", num_lookahead),
+            ("num_external_computed_tokens", num_external),
+        ):
+            if value < 0:
+                raise RequestError(f"allocate_slots: {name} must be >= 0, got {value}")
+        total = request.num_computed_tokens + num_hit + num_external + num_new_tokens
+        if total > request.num_tokens:
+            raise RequestError(
+                f"allocate_slots: {request.request_id!r} has {request.num_tokens} tokens, but the call covers "
+                f"{total} ({request.num_computed_tokens} computed + {num_hit} hit + {num_external} external + "
+                f"{num_new_tokens} new)"
+            )
+        for g, group_hits in enumerate(hits or ()):
+            for i, block in enumerate(group_hits):
+                own = (request.block_hashes[i], g) if i < len(request.block_hashes) else None
+                if not block.is_null and block.key != own:
+                    raise RequestError(
+                        f"allocate_slots: hit block {block.block_id} (group {g}, index {i}) is not "
+                        f"{request.request_id!r}'s own cached block (cached as {block.key}); stale or foreign hits"
+                    )
+
     def cache_blocks(self, request, num_computed_tokens: int) -> None:
+        if num_computed_tokens > request.num_tokens:
+            raise RequestError(
+                f"cache_blocks: {request.request_id!r} has {request.num_tokens} tokens, "
+                f"cannot cache {num_computed_tokens}"
+            )
         if self.enable_caching:
             self.coordinator.cache_blocks(request, num_computed_tokens)
 

@@ -93,6 +93,18 @@ class Checker(Hooks):
         if self.enabled:
             inv.freed_request_gone(engine, engine.view, request)
 
+    def before_misuse(self, engine, call: str, request):
+        if not self.enabled:
+            return None
+        # Stale hits that happen to be the request's own cached blocks make a well-formed call.
+        foreign = call != "stale-hits" or inv.foreign_hits(engine.view, request, engine.last_hits[1])
+        return inv.whole_state(engine.view), foreign
+
+    def after_misuse(self, engine, call: str, request, token, raised, contract: str) -> None:
+        if self.enabled:
+            before, malformed = token
+            inv.misuse_outcome(engine.view, call, request, before, raised, contract if malformed else "tolerates")
+
     def at_handoff(self, engine, request, tables, num_local: int, num_external: int) -> None:
         if self.enabled:
             inv.handoff_exclusive(engine.view, request, tables, num_local, num_external)

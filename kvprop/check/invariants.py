@@ -486,6 +486,55 @@ def liveness(engine, steps: int | None = None) -> None:
         )
 
 
+# ---- 11. the caller's contract ----------------------------------------------------------------
+
+
+def whole_state(view) -> tuple:
+    """Everything a call could change, for comparing before and after a malformed one."""
+    tables = {
+        (rid, g): (view.request_block_ids(g, rid), view.num_cached_blocks(g, rid))
+        for g in range(view.num_groups)
+        for rid in list(view.request_ids(g))
+    }
+    return view.ref_cnts(), view.cache_keys(), view.free_queue_ids(), tables
+
+
+def foreign_hits(view, request, hits) -> bool:
+    """Whether some real block of ``hits`` is not ``request``'s own cached block at its index."""
+    hashes = request.block_hashes
+    for g, group_hits in enumerate(hits):
+        for i, block in enumerate(group_hits):
+            if block.block_id == view.null_block_id:
+                continue
+            if i >= len(hashes) or view.cache_key(block.block_id) != own_cache_key(hashes[i], g):
+                return True
+    return False
+
+
+def misuse_outcome(view, call: str, request, before, raised, contract: str) -> None:
+    """11. A malformed call the target's contract says it refuses raises and changes nothing; one
+    it tolerates may pass (the checks after the operation judge the state)."""
+    rid = request.request_id
+    if raised is None and contract == "refuses":
+        raise Violation(
+            "misuse-accepted",
+            f"the target accepted a {call} call for {rid!r}, which its caller contract says it refuses",
+            requests=[rid],
+        )
+    if raised is not None:
+        after = whole_state(view)
+        changed = [
+            name for name, x, y in zip(("ref_cnts", "cache keys", "free queue", "tables"), before, after) if x != y
+        ]
+        if changed:
+            raise Violation(
+                "misuse-changed-state",
+                f"the target refused a {call} call for {rid!r} ({type(raised).__name__}: {raised}) "
+                f"but changed its {', '.join(changed)}",
+                requests=[rid],
+            )
+
+
 # ---- 12. idle bookkeeping --------------------------------------------------------------------
 
 

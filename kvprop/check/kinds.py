@@ -58,6 +58,8 @@ KINDS = {
         Kind("accepted-beyond-capacity", 10, "an allocation that fits under no count of the pool is refused"),
         Kind("hit-too-short", 10, "a cache hit is as long as the cache map allows"),
         Kind("hit-too-long", 10, "a cache hit covers only what the cache map holds"),
+        Kind("misuse-accepted", 11, "a malformed call the target's contract refuses is refused"),
+        Kind("misuse-changed-state", 11, "a refused malformed call changes nothing"),
         Kind("freed-request-remains", 12, "a freed request leaves no table, cached count or pending load"),
     )
 }

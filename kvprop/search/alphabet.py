@@ -174,6 +174,27 @@ class FinishLoad:
         return f"load of {rid} {'completed' if self.ok else 'failed'}"
 
 
+@attrs.frozen
+class Misuse:
+    """A buggy caller: one malformed call (``Engine.misuse``: a negative or too-large external
+    count, zero new tokens, a second free, a free of a waiting request, caching past the end,
+    stale hits) that the target's caller contract says it refuses or tolerates."""
+
+    call: int
+    index: int
+    ARGS: ClassVar = {"call": (0, 6), "index": (0, 7)}
+    WEIGHTS: ClassVar = (0, 0, 1)  # the walker's swarm: in a third of the walks, rarely (it changes no state)
+
+    @staticmethod
+    def ready(h: Harness) -> bool:
+        return bool(h.engine.requests or h.engine.retired)
+
+    def apply(self, h: Harness) -> str:
+        from kvprop.sim.engine import MISUSES
+
+        return h.engine.misuse(MISUSES[self.call], self.index)
+
+
 def show_tokens(tokens: list[int]) -> str:
     """A prompt as a person reads it in a step log: short ones whole, long ones abridged."""
     if len(tokens) <= 16:
@@ -257,5 +278,16 @@ class ResetPrefixCache:
 PROMPT_PRODUCERS = (AddRequest, AddLargeRequest, PublishPrefix)  # each adds exactly one prompt to the history
 # ``ready(h)``, where an operation has it, says whether it would do anything now: the state
 # machine skips it otherwise (a precondition); the walker applies it anyway (a no-op).
-OPERATIONS = (AddRequest, AddLargeRequest, Step, PublishPrefix, FinishLoad, Preempt, Abort, Finish, ResetPrefixCache)
+OPERATIONS = (
+    AddRequest,
+    AddLargeRequest,
+    Step,
+    PublishPrefix,
+    FinishLoad,
+    Preempt,
+    Abort,
+    Finish,
+    ResetPrefixCache,
+    Misuse,
+)
 OPERATION_BY_NAME = {op.__name__: op for op in OPERATIONS}

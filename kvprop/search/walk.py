@@ -25,7 +25,7 @@ def plan(seed: int, max_ops: int = 200) -> Trace:
     """The trace a walk with ``seed`` runs: configuration, swarm weights, operations."""
     rng = random.Random(seed)
     config = sample_config(RandomChooser(rng))
-    weights = [rng.choice(WEIGHT_CHOICES) for _ in OPERATIONS]
+    weights = [rng.choice(getattr(op, "WEIGHTS", WEIGHT_CHOICES)) for op in OPERATIONS]
     for must in (Step, AddRequest):
         weights[OPERATIONS.index(must)] = rng.choice((2, 4, 8))
     steps = []

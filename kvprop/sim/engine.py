@@ -22,6 +22,15 @@ from kvprop.sim.connector import Connector
 from kvprop.sim.memory import PagedMemory
 from kvprop.sim.request import Request, Status
 
+MISUSES = (
+    "negative-external",
+    "too-many-external",
+    "zero-new-tokens",
+    "free-twice",
+    "free-unadmitted",
+    "cache-past-end",
+    "stale-hits",
+)
 EVENTS = (
     "cross-group hit + external tokens, hit block at free-queue head",
     "evicted a cached block",
@@ -45,6 +54,12 @@ class Hooks:
 
     def after_hit(self, engine, request, hits, num_hit: int) -> None:
         """get_computed_blocks answered ``request`` at admission."""
+
+    def before_misuse(self, engine, call: str, request):
+        return None
+
+    def after_misuse(self, engine, call: str, request, token, raised, contract: str) -> None:
+        """A malformed call was made; ``raised`` is what the target raised (None: it accepted)."""
 
     def after_allocation(self, engine, request, token, result, computed: int) -> None:
         pass
@@ -92,6 +107,8 @@ class Engine:
         self.loading: dict[str, Request] = {}
         self.events: Counter = Counter()
         self.next_id = 0
+        self.retired: deque[Request] = deque(maxlen=8)  # recently ended, for a buggy caller to free again
+        self.last_hits = None  # (request id, hits, hit tokens) of the latest admission with a hit
 
     # ---- requests -------------------------------------------------------------------
 
@@ -135,6 +152,7 @@ class Engine:
     def _retire(self, request: Request, status: Status) -> None:
         request.status = status
         del self.requests[request.request_id]
+        self.retired.append(request)
 
     def abort(self, request_id: str) -> None:
         request = self.get(request_id)
@@ -212,6 +230,69 @@ class Engine:
             self.waiting.appendleft(request)
         request.pending_external = 0
 
+    # ---- a buggy caller ------------------------------------------------------------------
+
+    def misuse(self, call: str, index: int) -> str:
+        """Make one malformed call of ``MISUSES`` the way a buggy scheduler would, if the target's
+        ``caller_contract`` says what it does with it; the hooks judge the outcome. The engine's
+        own records are left as they were: the call is the caller's mistake, not a step."""
+        contract = getattr(self.allocator, "caller_contract", {}).get(call)
+        if contract is None:
+            return f"{call}: not in the target's caller contract, not made"
+        target = self._misuse_target(call, index)
+        if target is None:
+            return f"{call}: no request to make it for"
+        request, make = target
+        token = self.hooks.before_misuse(self, call, request)
+        result = None
+        try:
+            result = make()
+            raised = None
+        except TargetCrash as crash:
+            raised = crash.error
+        self.hooks.after_misuse(self, call, request, token, raised, contract)
+        if raised is None and result is not None and call in ("negative-external", "too-many-external", "stale-hits"):
+            self.boundary.free(request)  # a granted allocation for a waiting request: the caller takes it back
+        outcome = f"refused ({type(raised).__name__})" if raised is not None else "accepted"
+        return f"{call} for {request.request_id}: {outcome}"
+
+    def _misuse_target(self, call: str, index: int):
+        """(request, the call to make) for ``call``, or None when no request suits it."""
+        b = self.boundary
+        waiting, running, retired = list(self.waiting), list(self.running), list(self.retired)
+
+        def pick(options):
+            return options[index % len(options)] if options else None
+
+        if call in ("negative-external", "too-many-external", "free-unadmitted", "stale-hits"):
+            request = pick(waiting)
+        elif call in ("zero-new-tokens", "cache-past-end"):
+            request = pick(running)
+        else:
+            request = pick(retired)
+        if request is None:
+            return None
+        if call == "negative-external":
+            return request, lambda: b.allocate_slots(
+                request, 1, num_external_computed_tokens=-1, delay_cache_blocks=True
+            )
+        if call == "too-many-external":
+            return request, lambda: b.allocate_slots(
+                request, 1, num_external_computed_tokens=request.num_tokens, delay_cache_blocks=True
+            )
+        if call == "zero-new-tokens":
+            return request, lambda: b.allocate_slots(request, 0)
+        if call in ("free-twice", "free-unadmitted"):
+            return request, lambda: b.free(request)
+        if call == "cache-past-end":
+            return request, lambda: b.cache_blocks(request, request.num_tokens + self.block_size)
+        if self.last_hits is None or self.last_hits[0] == request.request_id:
+            return None
+        _, hits, num_hit = self.last_hits
+        return request, lambda: b.allocate_slots(
+            request, 1, num_new_computed_tokens=num_hit, new_computed_blocks=hits, delay_cache_blocks=True
+        )
+
     # ---- scheduling -------------------------------------------------------------------
 
     def _allocate(self, request: Request, num_new_tokens: int, **kwargs):
@@ -261,6 +342,8 @@ class Engine:
             request = self.waiting[0]
             hits, num_hit = self.boundary.get_computed_blocks(request)
             self.hooks.after_hit(self, request, hits, num_hit)
+            if num_hit:
+                self.last_hits = (request.request_id, hits, num_hit)
             ext = 0
             if self.connector is not None and not request.load_failed:
                 ext = self.connector.num_new_matched_tokens(request, num_hit)

@@ -160,6 +160,13 @@ class FreeKeepsCachedCount(SingleTypeManager):
             self.num_cached_block[request_id] = kept
 
 
+class AcceptsNegativeExternal(KVCacheManager):
+    """Stops validating the external-token count: a negative one is taken as given."""
+
+    def validate_allocation(self, request, num_new_tokens, num_hit, hits, num_lookahead, num_external) -> None:
+        super().validate_allocation(request, num_new_tokens, num_hit, hits, num_lookahead, max(0, num_external))
+
+
 @attrs.frozen
 class Variant:
     name: str
@@ -211,6 +218,11 @@ VARIANTS = {
             "hit-stops-early",
             "the full-attention hit stops one block short of what the cache holds",
             parts=Parts(managers={**MANAGER_FOR_SPEC, FullAttention: HitStopsEarly}),
+        ),
+        Variant(
+            "accepts-negative-external",
+            "allocate_slots no longer refuses a negative external-token count",
+            allocator=AcceptsNegativeExternal,
         ),
         Variant(
             "free-keeps-cached-count",

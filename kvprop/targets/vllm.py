@@ -154,6 +154,12 @@ class VllmAllocator:
     own block hasher), appends the tokens the kvprop request has grown by and copies its
     ``num_computed_tokens`` before every call, since vLLM reads both from its request."""
 
+    # What vLLM does with a malformed call (kvprop.sim.engine.MISUSES). Its managers free a
+    # request by popping its table with a default, so freeing one that holds nothing is a
+    # no-op it tolerates. Its allocate_slots and cache_blocks do not validate their
+    # arguments (the scheduler is trusted), so those calls are not made against it.
+    caller_contract = {"free-twice": "tolerates", "free-unadmitted": "tolerates"}
+
     def __init__(self, config: AllocatorConfig):
         v = self.v = _import_vllm()
         self.config = config
