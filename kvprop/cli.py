@@ -140,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=seed, default=0, help="run seed")
     b.add_argument("--device", default=None, help="cpu | cuda | cuda:N")
     b.add_argument("--json", action="store_true", help="print the table as JSON")
+    b.add_argument("--no-guards", action="store_true", help="run kvprop's allocator without its own guards")
 
     command("variants", c.cmd_variants, "list the bug variants of kvprop's allocator ('correct' has none)")
 

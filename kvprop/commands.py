@@ -336,11 +336,16 @@ def cmd_bugs(args) -> int:
     from kvprop.targets.variants import VARIANTS
 
     _check_device(args.device)
+    if args.no_guards:
+        from kvprop.allocator import guards
+
+        guards.ENABLED = False  # the workers fork from here and inherit it
     if not args.json:
+        guarded = "without the allocator's own guards" if args.no_guards else "guards on"
         print(
             f"kvprop {__version__} bugs: every variant from scratch, driver {args.driver}, "
-            f"{args.seconds_per_bug:g}s each, seed {args.seed}\n"
-            f"{'variant':30s} {'result':9s} {'seconds':>9s} {'steps':>9s}       {'minimised':>4s}",
+            f"{args.seconds_per_bug:g}s each, seed {args.seed}, {guarded}\n"
+            f"{'variant':30s} {'result':9s} {'seconds':>9s} {'runs':>7s} {'steps':>9s}       {'minimised':>4s}",
             flush=True,
         )
     rows = []
@@ -364,6 +369,7 @@ def cmd_bugs(args) -> int:
                 "found": result.found is not None,
                 "kind": best.failure.kind if best else None,
                 "seconds": round(result.seconds_to_find, 3) if result.found else None,
+                "runs": result.runs if result.found else None,
                 "steps": result.steps if result.found else None,
                 "minimised_steps": trace_length(best) if best else None,
             }
@@ -372,7 +378,8 @@ def cmd_bugs(args) -> int:
             r = rows[-1]
             print(
                 f"{name:30s} {'found' if r['found'] else 'NOT FOUND':9s} "
-                f"{(str(r['seconds']) + 's') if r['found'] else '-':>9s} {str(r['steps'] or '-'):>9s} steps "
+                f"{(str(r['seconds']) + 's') if r['found'] else '-':>9s} {str(r['runs'] or '-'):>7s} "
+                f"{str(r['steps'] or '-'):>9s} steps "
                 f"{str(r['minimised_steps'] or '-'):>4s} ({r['kind'] or '-'})",
                 flush=True,
             )
