@@ -1,0 +1,42 @@
+"""The trace format: durable across the driver rename, strict on every field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvprop.search import trace as tr
+from kvprop.search.walk import plan
+
+
+def written_before_the_rename() -> dict:
+    """A trace as kvprop wrote it before the search driver was called ``driver``."""
+    data = tr.to_dict(plan(3))
+    data["engine"] = data.pop("driver")
+    data["failure"] = {"step": 2, "kind": "block-in-two-groups", "message": "block 6 is live in groups [0, 2]"}
+    return data
+
+
+def test_an_old_trace_naming_its_engine_still_reads():
+    trace = tr.from_dict(json.loads(json.dumps(written_before_the_rename())))
+    assert (trace.driver, trace.steps, trace.failure.origin) == ("walk", plan(3).steps, "violation")
+
+
+def test_a_trace_round_trips_through_json():
+    trace = plan(5)
+    assert tr.from_dict(json.loads(json.dumps(tr.to_dict(trace)))) == trace
+
+
+def test_an_unknown_driver_is_refused_with_the_allowed_ones():
+    data = tr.to_dict(plan(3))
+    data["driver"] = "engine"
+    with pytest.raises(tr.TraceError, match=r"driver: expected one of \['walk', 'hypothesis'\], got 'engine'"):
+        tr.from_dict(data)
+
+
+def test_an_unknown_field_is_refused():
+    data = tr.to_dict(plan(3))
+    data["comment"] = "hello"
+    with pytest.raises(tr.TraceError, match=r"unknown field\(s\) \['comment'\]"):
+        tr.from_dict(data)
