@@ -14,7 +14,7 @@ from kvprop.sim.memory import PagedMemory
 from kvprop.sim.request import Request
 from kvprop.targets.kvprop import build_kvprop_engine, make_allocator
 
-NULL = 0  # the null block's id; "-" in reference-scenarios.md
+NULL = 0  # the null block's id; "-" in docs/reference-scenarios.md
 BUGGY = "interleaved-external-alloc"
 VOCAB = 1000
 

@@ -111,7 +111,7 @@ def record_pool_calls(mgr, monkeypatch) -> list[str]:
 
 
 def motivating_state(variant=None):
-    """reference-scenarios.md's motivating bug: full + window 16, block size 4, 13 blocks,
+    """docs/reference-scenarios.md's motivating bug: full + window 16, block size 4, 13 blocks,
     A and C freed so A's hits sit at the queue head; B hits 16 tokens in both groups."""
     mgr = allocator([FullAttention(4), SlidingWindow(4, 16)], 13, variant)
     a = req("A", range(16), 4)

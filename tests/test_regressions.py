@@ -67,7 +67,7 @@ def check_regression(variant, mgr, b, expected_tables, expected_dups):
 
 
 def scenario_a(variant):
-    """reference-scenarios.md's motivating case: A (16 tokens) and C (8 other tokens) freed,
+    """docs/reference-scenarios.md's motivating case: A (16 tokens) and C (8 other tokens) freed,
     so A's cached blocks head the queue; B = A + 12 tokens hits 16 and brings 8 external."""
     mgr = allocator([FullAttention(4), SlidingWindow(4, 16)], 13, variant)
     a, c = req("A", range(16), 4), req("C", range(100, 108), 4)

@@ -3,7 +3,7 @@
 Corruption can be transient — a duplicated block can be written and freed again inside
 one engine step — so structural checks also run right after every allocation, where
 blocks change hands, not only between operations. Where the view reports which blocks
-changed, checks are incremental (see ``incremental``) with a full sweep every
+changed, checks are incremental (see ``kvprop.check.mirror``) with a full sweep every
 ``full_every`` checks and at the end of every run; otherwise every check is a full sweep.
 """
 
