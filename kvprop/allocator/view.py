@@ -51,6 +51,10 @@ class AllocatorView:
             out.append(block.block_id)
         return out
 
+    def has_cache_key(self, key) -> bool:
+        """Whether some block is cached under ``key`` (the hit oracle asks this per block)."""
+        return bool(self.pool.cached.get(key))
+
     def cache_map_items(self):
         for key, entry in self.pool.cached.items():
             for block_id in entry:

@@ -51,14 +51,15 @@ class Checker(Hooks):
     def before_allocation(self, engine, request, num_new_tokens: int, kwargs: dict):
         if not self.enabled:
             return None
-        bounds = decisions.capacity_bounds(engine, request, num_new_tokens, kwargs)
-        if not self.incremental(engine):
-            return bounds, inv.snapshot(engine.view, request.request_id)
         view = engine.view
+        if not self.incremental(engine):
+            before = inv.snapshot(view, request.request_id)
+            return decisions.capacity_bounds(engine, request, num_new_tokens, kwargs, before[3]), before
         # Set aside what changed before this allocation, so that afterwards the pool reports
         # only what the allocation itself changed; both are judged after it.
         self.pending_changes |= view.take_changes()
-        return bounds, [view.request_block_ids(g, request.request_id) for g in range(view.num_groups)]
+        tables = [view.request_block_ids(g, request.request_id) for g in range(view.num_groups)]
+        return decisions.capacity_bounds(engine, request, num_new_tokens, kwargs, tables), tables
 
     def after_allocation(self, engine, request, token, result, computed: int) -> None:
         if not self.enabled:

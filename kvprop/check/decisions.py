@@ -16,8 +16,9 @@ from kvprop.allocator.specs import ChunkedLocal, SlidingWindow, cdiv
 from kvprop.errors import Violation
 
 
-def capacity_bounds(engine, request, num_new_tokens: int, kwargs) -> tuple[int, int, int, int]:
-    """(generous need, conservative need, free blocks now, blocks the window's skipping frees)."""
+def capacity_bounds(engine, request, num_new_tokens: int, kwargs, tables) -> tuple[int, int, int, int]:
+    """(generous need, conservative need, free blocks now, blocks the window's skipping frees);
+    ``tables`` are the request's block ids per group (None where it has none)."""
     view = engine.view
     bs, null = view.block_size, view.null_block_id
     hits = kwargs.get("new_computed_blocks")
@@ -30,11 +31,14 @@ def capacity_bounds(engine, request, num_new_tokens: int, kwargs) -> tuple[int, 
     generous = conservative = freed = 0
     for g, spec in enumerate(engine.specs):
         skipped = spec.skipped_tokens(computed) // bs
-        table = view.request_block_ids(g, request.request_id)
+        table = tables[g]
         if table is not None:
             grow = max(0, cdiv(slots, bs) - len(table))
             generous, conservative = generous + grow, conservative + grow
-            freed += sum(1 for b in table[:skipped] if b != null and view.ref_cnt(b) == 1)
+            for i in range(min(skipped, len(table)) - 1, -1, -1):
+                if table[i] == null:
+                    break  # everything before was skipped by an earlier call
+                freed += view.ref_cnt(table[i]) == 1
             continue
         group_hits = [b.block_id for b in hits[g]] if hits is not None else []
         evictable = [i for i, b in enumerate(group_hits) if b != null and view.ref_cnt(b) == 0]
@@ -82,12 +86,24 @@ def _group_hit(spec, cached, group: int, hashes, max_length: int) -> int:
     return i * bs
 
 
+class _KeySet:
+    """``key in cached`` answered by the view, without listing the whole map."""
+
+    def __init__(self, has_key):
+        self.has_key = has_key
+
+    def __contains__(self, key) -> bool:
+        return self.has_key(key)
+
+
 def longest_hit(engine, request) -> int:
     """The hit length the cache map allows: each group shrinks the candidate to what it can
     serve until none shrinks it further; never the last token."""
     if not engine.config.allocator.enable_caching:
         return 0
-    cached = {key for key, _ in engine.view.cache_map_items()}
+    view = engine.view
+    has_key = getattr(view, "has_cache_key", None)  # O(1) where the view offers it
+    cached = _KeySet(has_key) if has_key is not None else {key for key, _ in view.cache_map_items()}
     length = request.num_tokens - 1
     while True:
         candidate = length

@@ -197,17 +197,24 @@ def own_cache_key(block_hash: int, group: int):
     return (block_hash, group)
 
 
-def _own_cached_run(table, hashes, keys, group: int, null: int) -> int:
-    """Length of the table's leading run of blocks cached under the request's own hashes (skipped
-    null blocks inside it included, trailing ones not): blocks this request cached or hit."""
-    run = 0
-    for i, (block_id, block_hash) in enumerate(zip(table, hashes)):
+def cached_count_covers(rid, group: int, table, hashes, keys, num_cached: int, null: int) -> None:
+    """6. Caching resumes at the cached count, so the first real block there is not already
+    cached under the request's own hash: only this request could have cached it, or it was a
+    hit, and either way the count should have covered it."""
+    for i in range(num_cached, min(len(table), len(hashes))):
+        block_id = table[i]
         if block_id == null:
             continue
-        if keys[block_id] != own_cache_key(block_hash, group):
-            break
-        run = i + 1
-    return run
+        if keys[block_id] == own_cache_key(hashes[i], group):
+            raise Violation(
+                "cached-count-behind",
+                f"{rid!r} group {group} counts {num_cached} cached blocks but block {block_id} (index {i}) is "
+                f"cached under its own hash already: caching resumes too early and would cache it twice",
+                blocks=[block_id],
+                requests=[rid],
+                groups=[group],
+            )
+        return
 
 
 def computed_tokens(request, pending: dict) -> int:
@@ -283,15 +290,7 @@ def check_tables(
                     requests=[rid],
                     groups=[g],
                 )
-            cached_run = _own_cached_run(table, request.block_hashes, keys, g, null)
-            if num_cached < cached_run:
-                raise Violation(
-                    "cached-count-behind",
-                    f"{rid!r} group {g} counts {num_cached} cached blocks but its first {cached_run} blocks are "
-                    f"cached under its own hashes: caching resumes too early and would cache them twice",
-                    requests=[rid],
-                    groups=[g],
-                )
+            cached_count_covers(rid, g, table, request.block_hashes, keys, num_cached, null)
             # A window of one token never needs an earlier block for a hit, so an allocator may
             # count such blocks as done without caching them (vLLM does); any other key is wrong.
             uncached_ok = isinstance(spec, SlidingWindow) and spec.hit_blocks_needed == 0

@@ -41,7 +41,7 @@ KINDS = {
         Kind("null-in-attended-range", 6, "the null block stands only where the attention type skips"),
         Kind("cached-count", 6, "a request's cached-block count fits its table and its full blocks"),
         Kind("cached-block-lost-hash", 6, "a block counted as cached carries the request's own hash"),
-        Kind("cached-count-behind", 6, "a request counts as cached every leading block cached under its own hash"),
+        Kind("cached-count-behind", 6, "caching resumes at a block not yet cached under the request's own hash"),
         Kind("table-too-short", 6, "a table has a block for every position being computed"),
         Kind("data-mismatch", 7, "every computed position and cached block reads back its fingerprint"),
         Kind("write-to-null-block", 7, "nothing is computed into the null block"),
