@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -75,16 +76,23 @@ def _trivial_rate(examples: int) -> tuple[float, int]:
     return TrivialMachine.steps / elapsed, TrivialMachine.steps
 
 
+def _progress(text: str) -> None:
+    """Each measurement announces itself on stderr: a benchmark is never silent for long."""
+    print(f"  measuring {text} ...", file=sys.stderr, flush=True)
+
+
 def throughput(quick: bool) -> list[dict]:
     seconds, examples = (2.0, 40) if quick else (8.0, 150)
     rows = []
-    for name, (rate, steps) in (
-        ("walk, all checks", _walk_rate(seconds, True)),
-        ("walk, checks off", _walk_rate(seconds, False)),
-        ("state machine, all checks", _machine_rate(examples, True)),
-        ("state machine, checks off", _machine_rate(examples, False)),
-        ("Hypothesis, trivial rule", _trivial_rate(examples)),
+    for name, measure in (
+        ("walk, all checks", lambda: _walk_rate(seconds, True)),
+        ("walk, checks off", lambda: _walk_rate(seconds, False)),
+        ("state machine, all checks", lambda: _machine_rate(examples, True)),
+        ("state machine, checks off", lambda: _machine_rate(examples, False)),
+        ("Hypothesis, trivial rule", lambda: _trivial_rate(examples)),
     ):
+        _progress(f"throughput: {name}")
+        rate, steps = measure()
         rows.append({"driver": name, "steps": steps, "steps_per_s": round(rate)})
     base = rows[0]["steps_per_s"]
     for row in rows:
@@ -124,6 +132,7 @@ def scaling(quick: bool) -> list[dict]:
     rows = []
     for num_blocks in (16, 256, 4096):
         for live in (1, 8, 64):
+            _progress(f"scaling: {num_blocks} blocks, {live} live requests")
             on = _scaling_cell(num_blocks, live, True, steps)
             off = _scaling_cell(num_blocks, live, False, steps)
             rows.append(
@@ -157,6 +166,7 @@ def time_to_find(quick: bool) -> list[dict]:
         for driver in fuzz.DRIVERS:
             secs, steps, shrunk = [], [], []
             for seed in seeds:
+                _progress(f"time to find: {variant}, {driver}, seed {seed}")
                 with _fresh_directory():  # an empty Hypothesis example database for every search
                     result = fuzz.search(
                         fuzz.FuzzOptions(
