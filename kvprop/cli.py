@@ -144,6 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     command("variants", c.cmd_variants, "list the bug variants of kvprop's allocator ('correct' has none)")
 
+    cov = command("coverage", c.cmd_coverage, "statement and branch coverage of the target's allocator by walks")
+    cov.add_argument("--seconds", type=seconds, default=60.0, help="time budget of the walks")
+    cov.add_argument("--seed", type=seed, default=0, help="run seed; each walk's seed is a hash of it")
+    cov.add_argument("--max-ops", type=operations, default=200, help="operations per walk")
+    cov.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    cov.add_argument("--html", default=None, metavar="DIR", help="also write coverage.py's HTML report into DIR")
+    target_args(cov)
+
     bench = command("bench", c.cmd_bench, "throughput, scaling and time-to-find tables")
     bench.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     bench.add_argument("--quick", action="store_true", help="shorter runs")

@@ -402,4 +402,32 @@ def cmd_bench(args) -> int:
     return bench.main(quick=args.quick, as_json=args.json)
 
 
+def cmd_coverage(args) -> int:
+    from kvprop import coverage
+
+    _check_device(args.device)
+    coverage.check(args.target, args.variant, args.seconds, max_ops=args.max_ops)
+    label = f"variant {args.variant}" if args.variant else f"target {args.target or 'kvprop'}"
+    _say(args, f"kvprop {__version__} coverage: {label}, walk driver, {args.seconds:g}s budget, seed {args.seed}")
+
+    def progress(runs, steps, elapsed):
+        _say(args, f"  {elapsed:5.0f}s: {runs:,} walks, {steps:,} steps")
+
+    report = coverage.measure(
+        target=args.target,
+        variant=args.variant,
+        seconds=args.seconds,
+        seed=args.seed,
+        max_ops=args.max_ops,
+        device=args.device,
+        html=args.html,
+        progress=progress,
+    )
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=1))
+    else:
+        print(coverage.render(report))
+    return EXIT_CLEAN
+
+
 __all__ = ["KvpropError"]
