@@ -7,7 +7,7 @@ FUZZ_SECONDS ?= 180
 FUZZ_ARGS ?=
 PROFILE ?= ci
 
-.PHONY: all setup test fuzz repro bench bench-quick lint clean vllm-env test-vllm
+.PHONY: all setup test fuzz repro bench bench-quick lint clean vllm-env test-vllm vllm-matrix
 
 all: test
 
@@ -44,8 +44,9 @@ bench-quick: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check kvprop tests bench
 
-# vLLM's own allocator as a target: a separate CPU-only environment per release
-# (scripts/vllm-env.sh: torch 2.13.0+cpu, vLLM and its import closure with --no-deps).
+# vLLM's own allocator as a target: a separate CPU-only environment per release, any
+# release from 0.22 on (scripts/vllm-env.sh: torch 2.13.0+cpu, vLLM and its import
+# closure with --no-deps, the closure found by importing until nothing is missing).
 VLLM_VERSION ?= 0.24.0
 VLLM_VERSIONS ?= 0.23.0 0.24.0
 
@@ -59,6 +60,11 @@ test-vllm:
 		VLLM_LOGGING_LEVEL=ERROR PYTHONWARNINGS=ignore KVPROP_PROFILE=$(PROFILE) \
 			.venv-vllm-$$v/bin/python -m pytest -m vllm tests/test_vllm_target.py; \
 	done
+
+# Per release: build, the vLLM tests, a fixed walk budget (300 runs, seed 0); one table row
+# each. E.g. make vllm-matrix VLLM_VERSIONS="0.22.1 0.23.0 0.24.0 0.25.1 0.30.0 0.33.0"
+vllm-matrix:
+	PROFILE=$(PROFILE) bash scripts/vllm-matrix.sh $(VLLM_VERSIONS)
 
 clean:
 	rm -rf $(VENV) .venv-vllm-* .hypothesis *.egg-info

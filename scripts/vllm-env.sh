@@ -6,8 +6,11 @@
 #
 # - torch is the CPU build 2.13.0+cpu from /opt/wheels (pip's configured find-links);
 #   the "+cpu" local label means pip can never pick a same-numbered CUDA build.
-# - vLLM and its import closure go in with --no-deps at exact pins: resolving vLLM's own
-#   dependencies would pull a CUDA torch and triton (gigabytes). The final check fails if
+# - vLLM and its import closure go in with --no-deps: resolving vLLM's own dependencies
+#   would pull a CUDA torch and triton (gigabytes). Base pins (known to work together)
+#   first; then a loop runs kvprop's vllm target, reads `No module named 'X'`, installs
+#   X's distribution --no-deps (never torch/triton/CUDA wheels) and retries, so any
+#   release gets what it imports without a per-release table. The final check fails if
 #   any nvidia-*/triton distribution is present.
 # - kvprop itself is installed editable (--no-deps) from this repository, with attrs,
 #   hypothesis and pytest.
@@ -16,7 +19,7 @@
 set -euo pipefail
 
 if [ $# -lt 1 ] || [ $# -gt 2 ]; then
-  echo "usage: $0 VERSION [DIR]   (e.g. 0.23.0, the last release with the cross-group bug, or 0.24.0)" >&2
+  echo "usage: $0 VERSION [DIR]   (any release from 0.22 on; e.g. 0.23.0, the last release with the cross-group bug, or 0.24.0)" >&2
   exit 2
 fi
 VERSION=$1
@@ -62,8 +65,9 @@ step "torch 2.13.0+cpu (+ its small deps)"
 pipq --no-deps "vllm==$VERSION"
 step "vllm==$VERSION (--no-deps)"
 
-# 3. The import closure of vllm.v1.core.kv_cache_manager, found by importing until
-#    nothing was missing on 0.23.0 and 0.24.0 (see /work/shared/vllm-on-cpu.md).
+# 3. Base pins: the import closure found on 0.23.0 and 0.24.0 (see
+#    /work/shared/vllm-on-cpu.md), at versions known to work together. Step 5 adds
+#    whatever else a release imports, so nothing here is release-specific.
 DEPS=(
   numpy==2.4.6 packaging==26.4 psutil==7.2.2 pyzmq==27.3.0 urllib3==2.8.0
   regex==2026.11.19 msgspec==0.23.0 pydantic==2.14.4 pydantic_core==2.50.5
@@ -77,19 +81,138 @@ DEPS=(
   cloudpickle==3.1.3 uvloop==0.23.0 py-cpuinfo==9.0.0 prometheus_client==0.26.0
   llguidance==1.7.6 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 )
-if [ "$VERSION" = "0.23.0" ]; then
-  DEPS+=(gguf==0.19.0)  # 0.23.0 imports it on this path; 0.24.0 does not
-fi
 pipq --no-deps "${DEPS[@]}"
-step "import closure (--no-deps, ${#DEPS[@]} pins)"
+step "base pins (--no-deps, ${#DEPS[@]} pins)"
 
 # 4. kvprop from this repository (editable, so the checkout is what runs) and its test
 #    tooling. --no-deps: its torch/numpy requirements are already met by the pins above.
+#    Installed before the closure loop, whose check runs kvprop's own vllm target.
 pipq hypothesis pytest attrs==26.1.0
 pipq --no-deps -e "$REPO"
 step "kvprop (editable, --no-deps) + hypothesis, pytest, attrs"
 
-# 5. Guard: CPU torch only, no CUDA wheels, the manager imports, kvprop's target loads.
+# 5. The rest of the import closure, found by importing: run what `--target vllm` runs
+#    (kvprop.targets.vllm's imports, then building one allocator), read the
+#    ModuleNotFoundError, install that module's distribution --no-deps and retry. The
+#    version is the newest that meets every requirement on it that the installed
+#    distributions declare (vLLM's own Requires-Dist among them, e.g. fastapi<0.137 on
+#    0.33.0). torch, triton, CUDA wheels and vLLM itself are never installed here.
+CHECK="$DIR/.kvprop-import-check.py"
+cat > "$CHECK" <<'PYEOF'
+"""Exit 0 when kvprop's vllm target builds an allocator; 3 and 'missing-module: NAME' on
+the last line when a module is missing; 1 (with the traceback) on any other failure."""
+import sys
+import traceback
+
+try:
+    from kvprop.allocator.specs import AllocatorConfig, FullAttention, SlidingWindow
+    from kvprop.targets.vllm import make_target
+
+    make_target(AllocatorConfig((FullAttention(4), SlidingWindow(4, 16)), 13))
+except BaseException as e:  # noqa: BLE001 - report whatever stops the import
+    traceback.print_exc()
+    seen, err = set(), e
+    while err is not None and id(err) not in seen:  # kvprop wraps it in a ConfigError
+        seen.add(id(err))
+        if isinstance(err, ModuleNotFoundError) and err.name:
+            print(f"missing-module: {err.name}")
+            sys.exit(3)
+        err = err.__cause__ or err.__context__
+    sys.exit(1)
+PYEOF
+RESOLVE="$DIR/.kvprop-resolve-module.py"
+cat > "$RESOLVE" <<'PYEOF'
+"""Print the requirement to install for top-level module argv[1], or exit 2 with why not."""
+import importlib.metadata as md
+import re
+import sys
+
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
+# Import name -> PyPI distribution, only where they differ (pip normalises - and _).
+ALIAS = {
+    "yaml": "pyyaml", "cv2": "opencv-python-headless", "PIL": "pillow",
+    "google": "protobuf", "zmq": "pyzmq", "cpuinfo": "py-cpuinfo", "attr": "attrs",
+    "tvm_ffi": "apache-tvm-ffi", "sklearn": "scikit-learn", "dateutil": "python-dateutil",
+    "multipart": "python-multipart", "dotenv": "python-dotenv", "jwt": "pyjwt",
+    "pkg_resources": "setuptools", "pythonjsonlogger": "python-json-logger",
+    "lmformatenforcer": "lm-format-enforcer", "bs4": "beautifulsoup4",
+}
+# Never from this loop: a CUDA torch or triton would come with them, and vLLM's own
+# compiled parts are not a missing dependency.
+FORBIDDEN = re.compile(r"^(torch|torchvision|torchaudio|triton|pytorch-triton.*|nvidia-.*|vllm.*|"
+                       r"flashinfer.*|xformers|cupy.*|tilelang|deep-gemm|humming-kernels)$")
+
+def norm(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+module = sys.argv[1]
+top = module.split(".")[0]
+dist = norm(ALIAS.get(top, top))
+if FORBIDDEN.match(dist) or top in ("torch", "triton", "vllm"):
+    print(f"module {module!r} would need {dist!r}, which this CPU-only recipe never installs "
+          "(a CUDA torch/triton, or a compiled part of vLLM itself)")
+    sys.exit(2)
+# Every requirement on it that an installed distribution declares and applies here;
+# extras-only ones count only when nothing else names it.
+applies, extras_only = SpecifierSet(), SpecifierSet()
+for d in md.distributions():
+    for line in d.requires or ():
+        try:
+            r = Requirement(line)
+        except Exception:  # noqa: BLE001
+            continue
+        if norm(r.name) != dist:
+            continue
+        if r.marker is None or r.marker.evaluate():
+            applies &= r.specifier
+        else:
+            extras_only &= r.specifier
+spec = applies if str(applies) or not str(extras_only) else extras_only
+print(f"{dist}{spec}")
+PYEOF
+
+rounds=0
+ADDED=()
+while :; do
+  rc=0
+  out=$(cd "$DIR" && VLLM_LOGGING_LEVEL=ERROR PYTHONWARNINGS=ignore "$PY" "$CHECK" 2>&1) || rc=$?
+  [ $rc -eq 0 ] && break
+  if [ $rc -ne 3 ]; then
+    echo "$out" | tail -30 >&2
+    echo "vllm-env: vllm $VERSION: building kvprop's vllm target failed with something other than a missing module (above); not fixable by installing one" >&2
+    exit 1
+  fi
+  module=$(echo "$out" | sed -n 's/^missing-module: //p' | tail -1)
+  rounds=$((rounds + 1))
+  if [ $rounds -gt 30 ]; then
+    echo "vllm-env: vllm $VERSION: still missing module '$module' after 30 rounds (added: ${ADDED[*]})" >&2
+    exit 1
+  fi
+  if [ "${LAST_MODULE:-}" = "$module" ]; then
+    echo "vllm-env: vllm $VERSION: module '$module' is still missing after installing $LAST_REQ; its PyPI name differs: add it to ALIAS in scripts/vllm-env.sh" >&2
+    exit 1
+  fi
+  req=$("$PY" "$RESOLVE" "$module") || {
+    echo "vllm-env: vllm $VERSION: missing module '$module': $req" >&2
+    exit 1
+  }
+  if ! pipq --no-deps "$req"; then
+    echo "vllm-env: vllm $VERSION: missing module '$module', and 'pip install --no-deps $req' failed" >&2
+    exit 1
+  fi
+  name=${req%%[<>=!~ ]*}
+  pinned="$name==$("$PY" -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' "$name")"
+  echo "vllm-env: round $rounds: No module named '$module' -> $pinned (wanted: $req)"
+  ADDED+=("$pinned")
+  LAST_MODULE=$module
+  LAST_REQ=$req
+done
+printf '%s\n' ${ADDED[@]+"${ADDED[@]}"} > "$DIR/.closure-added"
+step "import closure loop ($rounds rounds, added: ${ADDED[*]:-none})"
+
+# 6. Guard: CPU torch only, no CUDA wheels, the manager imports, kvprop's target loads.
 VLLM_LOGGING_LEVEL=ERROR PYTHONWARNINGS=ignore "$PY" - "$VERSION" <<'PYEOF'
 import importlib.metadata as md
 import sys

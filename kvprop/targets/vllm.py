@@ -22,6 +22,7 @@ environment with ``make vllm-env VLLM_VERSION=0.24.0`` (``scripts/vllm-env.sh``)
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import warnings
 from types import SimpleNamespace
@@ -43,8 +44,11 @@ def _import_vllm() -> SimpleNamespace:
     if _VLLM is not None:
         return _VLLM
     # vLLM logs a warning for every refused reset_prefix_cache; requests warns about an
-    # optional dependency at import. Neither is a finding. A user's own settings win.
+    # optional dependency at import. Neither is a finding. A user's own settings win: their
+    # VLLM_LOGGING_LEVEL is the level applied after import, and a user who configures
+    # vLLM's logging themselves (a config file, or VLLM_CONFIGURE_LOGGING=0) is left alone.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    own_logging = os.environ.get("VLLM_LOGGING_CONFIG_PATH") or os.environ.get("VLLM_CONFIGURE_LOGGING") == "0"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -60,6 +64,8 @@ def _import_vllm() -> SimpleNamespace:
             raise ConfigError(
                 f"target 'vllm' needs vLLM importable, but importing it failed ({e}); {INSTALL_HINT}"
             ) from e
+    if not own_logging:
+        _quiet_vllm_loggers(os.environ["VLLM_LOGGING_LEVEL"].upper())
     # vLLM's block hasher chains from NONE_HASH, which must be set once per process
     # before the first Request is built (else NameError); keep one set by someone else.
     if not hasattr(kv_cache_utils, "NONE_HASH"):
@@ -76,6 +82,27 @@ def _import_vllm() -> SimpleNamespace:
         Request=Request,
     )
     return _VLLM
+
+
+def _quiet_vllm_loggers(level: str) -> None:
+    """Set vLLM's loggers to ``level`` after import, as VLLM_LOGGING_LEVEL alone no longer does.
+
+    In 0.22.1 to 0.30.0 ``vllm/logger.py`` ends with ``_configure_vllm_root_logger()``: the
+    "vllm" logger is configured when it is imported (dictConfig, level VLLM_LOGGING_LEVEL).
+    0.33.0 dropped that call: ``_configure_vllm_root_logger`` runs only from
+    ``configure_logging``, which engine, executor and worker start-up call
+    (``vllm/v1/engine/core.py``, ``vllm/v1/utils.py``, ...). Importing just the KV cache
+    manager leaves "vllm" unconfigured (level NOTSET, no handler), so its warnings reach
+    Python's last-resort handler at WARNING whatever VLLM_LOGGING_LEVEL says (one "Failed
+    to reset prefix cache" per refused reset). Setting the level here is a no-op where vLLM
+    already did. Child loggers with a level or handlers of their own get it too."""
+    try:
+        logging.getLogger("vllm").setLevel(level)
+    except (ValueError, TypeError):  # not a level name logging knows: leave vLLM's own handling
+        return
+    for name, child in list(logging.root.manager.loggerDict.items()):
+        if name.startswith("vllm.") and isinstance(child, logging.Logger) and (child.level or child.handlers):
+            child.setLevel(level)
 
 
 def make_target(config: AllocatorConfig):
@@ -173,6 +200,21 @@ class VllmAllocator:
             enable_caching=config.enable_caching,
         )
         params = _accepted(v.KVCacheManager.__init__)
+        if len({spec.block_size for spec in config.groups}) == 1:
+            # A release whose KVCacheManager lacks one of these derives it from the
+            # kv_cache_config itself, and with one block size B in every group that is B,
+            # the value passed here. 0.22.1 (no scheduler_block_size): the coordinator's
+            # alignment unit is UnitaryKVCacheCoordinator.block_size =
+            # kv_cache_groups[0].kv_cache_spec.block_size (times dcp/pcp world sizes, 1
+            # here) and HybridKVCacheCoordinator.lcm_block_size = lcm(*block sizes of the
+            # groups) (vllm/v1/core/kv_cache_coordinator.py), where later releases use the
+            # scheduler_block_size the engine passes: resolve_kv_cache_block_sizes
+            # (vllm/v1/core/kv_cache_utils.py) computes it as that same lcm, and
+            # hash_block_size as the gcd of the group block sizes (or the lcm): B and B.
+            # With unequal block sizes nothing is dropped, so a missing one is a ConfigError.
+            for name in ("scheduler_block_size", "hash_block_size"):
+                if name not in params:
+                    del wanted[name]
         missing = [
             n for n, d in params.items() if d is inspect.Parameter.empty and n not in wanted and n != "kv_cache_config"
         ]

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# scripts/vllm-matrix.sh VERSION...   (make vllm-matrix VLLM_VERSIONS="0.22.1 0.24.0 ...")
+#
+# For each vLLM release: build its environment (scripts/vllm-env.sh; kept if already
+# there), run kvprop's vLLM tests (pytest -m vllm tests/test_vllm_target.py) and a fixed
+# walk budget (kvprop fuzz --target vllm --workers 1 --max-runs 300 --seconds 600 --seed 0),
+# then print one row per release:
+#
+#   release | builds | tests (passed/failed) | steps | verdict (clean / found KIND)
+#
+# Logs, JSON summaries and any counterexample go under $VLLM_MATRIX_LOGS (default: a new
+# folder under /tmp). A find is a result, not a failure (releases before 0.24 are expected
+# to find block-in-two-groups); the exit status is 1 when a release does not build or a
+# test fails or errors, else 0.
+set -uo pipefail
+
+if [ $# -lt 1 ]; then
+  echo "usage: $0 VERSION...   (e.g. 0.23.0 0.24.0)" >&2
+  exit 2
+fi
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+LOGS=${VLLM_MATRIX_LOGS:-$(mktemp -d "${TMPDIR:-/tmp}/kvprop-vllm-matrix.XXXXXX")}
+MAX_RUNS=${VLLM_MATRIX_MAX_RUNS:-300}
+SECONDS_BUDGET=${VLLM_MATRIX_SECONDS:-600}
+mkdir -p "$LOGS"
+export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-ERROR} PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
+
+ROWS=()
+status=0
+for v in "$@"; do
+  log="$LOGS/$v"
+  mkdir -p "$log"
+  py="$REPO/.venv-vllm-$v/bin/python"
+  echo "== vLLM $v (logs: $log)" >&2
+
+  t0=$(date +%s)
+  if bash "$REPO/scripts/vllm-env.sh" "$v" >"$log/build.log" 2>&1; then
+    if grep -q 'already set up' "$log/build.log"; then builds="yes (existing)"; else builds="yes ($(($(date +%s) - t0)) s)"; fi
+  else
+    echo "   build failed: $(tail -1 "$log/build.log")" >&2
+    ROWS+=("$v|no (see $log/build.log)|-|-|-")
+    status=1
+    continue
+  fi
+
+  (cd "$REPO" && KVPROP_PROFILE=${PROFILE:-ci} "$py" -m pytest -q -p no:cacheprovider -m vllm \
+    tests/test_vllm_target.py) >"$log/tests.log" 2>&1
+  summary=$(grep -E '^=*.* in [0-9.]+s' "$log/tests.log" | tail -1)
+  count() { echo "$summary" | grep -oE "[0-9]+ $1" | grep -oE '^[0-9]+' || echo 0; }
+  passed=$(count passed) failed=$(count failed) errors=$(count 'errors?') skipped=$(count skipped)
+  tests="$passed/$failed"
+  [ "$errors" != 0 ] && tests="$tests, $errors errors"
+  [ "$skipped" != 0 ] && tests="$tests ($skipped skipped)"
+  if [ -z "$summary" ] || [ "$failed" != 0 ] || [ "$errors" != 0 ]; then
+    [ -z "$summary" ] && tests="did not run (see $log/tests.log)"
+    status=1
+  fi
+
+  (cd "$log" && "$py" -m kvprop fuzz --target vllm --workers 1 --max-runs "$MAX_RUNS" \
+    --seconds "$SECONDS_BUDGET" --seed 0 --json --out "$log/counterexamples") \
+    >"$log/fuzz.json" 2>"$log/fuzz.log"
+  read -r steps verdict < <("$py" - "$log/fuzz.json" <<'PYEOF'
+import json, sys
+try:
+    s = json.load(open(sys.argv[1]))
+except Exception:  # noqa: BLE001 - no summary: the run itself failed
+    print("- error(see fuzz.log)")
+    sys.exit()
+find = s.get("find") or {}
+verdict = s["verdict"] if s["verdict"] != "found" else "found " + find.get("kind", "?")
+print(f"{s['steps']:,}", verdict.replace(" ", "_"))
+PYEOF
+)
+  ROWS+=("$v|$builds|$tests|$steps|${verdict//_/ }")
+done
+
+{
+  echo "release|builds|tests (passed/failed)|steps|verdict"
+  printf '%s\n' "${ROWS[@]}"
+} | column -t -s '|' -o ' | '
+echo "logs: $LOGS"
+exit $status
