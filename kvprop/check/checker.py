@@ -9,7 +9,7 @@ changed, checks are incremental (see ``kvprop.check.mirror``) with a full sweep 
 
 from __future__ import annotations
 
-from kvprop.check import decisions
+from kvprop.check import decisions, moments
 from kvprop.check import invariants as inv
 from kvprop.check.mirror import Mirror
 from kvprop.sim.engine import Hooks
@@ -92,31 +92,31 @@ class Checker(Hooks):
     def after_free(self, engine, request) -> None:
         self.dirty.add(request.request_id)
         if self.enabled:
-            inv.freed_request_gone(engine, engine.view, request)
+            moments.freed_request_gone(engine, engine.view, request)
 
     def before_misuse(self, engine, call: str, request):
         if not self.enabled:
             return None
         # Stale hits that happen to be the request's own cached blocks make a well-formed call.
-        foreign = call != "stale-hits" or inv.foreign_hits(engine.view, request, engine.last_hits[1])
-        return inv.whole_state(engine.view), foreign
+        foreign = call != "stale-hits" or moments.foreign_hits(engine.view, request, engine.last_hits[1])
+        return moments.whole_state(engine.view), foreign
 
     def after_misuse(self, engine, call: str, request, token, raised, contract: str) -> None:
         if self.enabled:
             before, malformed = token
-            inv.misuse_outcome(engine.view, call, request, before, raised, contract if malformed else "tolerates")
+            moments.misuse_outcome(engine.view, call, request, before, raised, contract if malformed else "tolerates")
 
     def at_handoff(self, engine, request, tables, num_local: int, num_external: int) -> None:
         if self.enabled:
-            inv.handoff_exclusive(engine.view, request, tables, num_local, num_external)
+            moments.handoff_exclusive(engine.view, request, tables, num_local, num_external)
 
     def before_load_write(self, engine, request, block_ids) -> None:
         if self.enabled:
-            inv.load_write_owned(engine.view, request, engine.boundary.get_block_ids(request.request_id), block_ids)
+            moments.load_write_owned(engine.view, request, engine.boundary.get_block_ids(request.request_id), block_ids)
 
     def before_write(self, engine, request, group: int, table, start: int, num_tokens: int) -> None:
         if self.enabled:
-            inv.write_targets(engine.view, request, group, table, start, num_tokens)
+            moments.write_targets(engine.view, request, group, table, start, num_tokens)
 
     def _check_refusal_changes(self, engine, request_id, before) -> None:
         """8, incrementally: a refused allocation touched only the blocks its window skipping freed."""

@@ -21,7 +21,7 @@ KINDS = {
     k.name: k
     for k in (
         Kind("ref-cnt-mismatch", 1, "a block's ref_cnt equals the number of table entries holding it"),
-        Kind("negative-ref-cnt", 2, "no block's ref_cnt is negative"),
+        Kind("negative-ref-cnt", 1, "no block's ref_cnt is negative"),
         Kind("free-queue-membership", 2, "a block is in the free queue exactly when its ref_cnt is 0"),
         Kind("free-queue-links", 2, "the free queue's links agree forwards and backwards"),
         Kind("free-queue-repeat", 2, "no block appears twice in the free queue"),

@@ -1,0 +1,159 @@
+"""What is judged at the moments blocks change hands or calls are made, rather than of the
+state between operations: writes and loads (6, 7), the connector hand-off (7), malformed
+calls (11) and what a free must leave behind (12). Each kind is raised by one function here.
+"""
+
+from __future__ import annotations
+
+from kvprop.allocator.specs import cdiv
+from kvprop.check.invariants import own_cache_key
+from kvprop.errors import Violation
+
+# ---- 11. the caller's contract ----------------------------------------------------------------
+
+
+def whole_state(view) -> tuple:
+    """Everything a call could change, for comparing before and after a malformed one."""
+    tables = {
+        (rid, g): (view.request_block_ids(g, rid), view.num_cached_blocks(g, rid))
+        for g in range(view.num_groups)
+        for rid in list(view.request_ids(g))
+    }
+    return view.ref_cnts(), view.cache_keys(), view.free_queue_ids(), tables
+
+
+def foreign_hits(view, request, hits) -> bool:
+    """Whether some real block of ``hits`` is not ``request``'s own cached block at its index."""
+    hashes = request.block_hashes
+    for g, group_hits in enumerate(hits):
+        for i, block in enumerate(group_hits):
+            if block.block_id == view.null_block_id:
+                continue
+            if i >= len(hashes) or view.cache_key(block.block_id) != own_cache_key(hashes[i], g):
+                return True
+    return False
+
+
+def misuse_outcome(view, call: str, request, before, raised, contract: str) -> None:
+    """11. A malformed call the target's contract says it refuses raises and changes nothing; one
+    it tolerates may pass (the checks after the operation judge the state)."""
+    rid = request.request_id
+    if raised is None and contract == "refuses":
+        raise Violation(
+            "misuse-accepted",
+            f"the target accepted a {call} call for {rid!r}, which its caller contract says it refuses",
+            requests=[rid],
+        )
+    if raised is not None:
+        after = whole_state(view)
+        changed = [
+            name for name, x, y in zip(("ref_cnts", "cache keys", "free queue", "tables"), before, after) if x != y
+        ]
+        if changed:
+            raise Violation(
+                "misuse-changed-state",
+                f"the target refused a {call} call for {rid!r} ({type(raised).__name__}: {raised}) "
+                f"but changed its {', '.join(changed)}",
+                requests=[rid],
+            )
+
+
+# ---- 12. idle bookkeeping --------------------------------------------------------------------
+
+
+def freed_request_gone(engine, view, request) -> None:
+    """12. Once a request is freed (finish, abort, preemption, failed load) no group keeps a table
+    or a cached-block count for it, and no load is pending for it."""
+    rid = request.request_id
+    for g in range(view.num_groups):
+        table, count = view.request_block_ids(g, rid), view.num_cached_blocks(g, rid)
+        if table is not None or count is not None:
+            raise Violation(
+                "freed-request-remains",
+                f"freed {rid!r} still has {'a table ' + str(table) if table is not None else ''}"
+                f"{' and ' if table is not None and count is not None else ''}"
+                f"{'a cached-block count ' + str(count) if count is not None else ''} in group {g}",
+                requests=[rid],
+                groups=[g],
+            )
+    if engine.connector is not None and rid in engine.connector.pending:
+        raise Violation("freed-request-remains", f"freed {rid!r} still has a load pending", requests=[rid])
+
+
+# ---- 6 and 7 at the moments blocks change hands ---------------------------------------------
+
+
+def handoff_exclusive(view, request, tables, num_local: int, num_external: int) -> None:
+    """7. Every block allocated for external tokens is the request's alone and uncached when the
+    connector takes it: the load writes it without looking at anyone else."""
+    bs = view.block_size
+    for g, table in enumerate(tables):
+        for index in range(num_local // bs, cdiv(num_local + num_external, bs)):
+            block_id = table[index]
+            if block_id == view.null_block_id:
+                continue
+            ref_cnt, key = view.ref_cnt(block_id), view.cache_key(block_id)
+            if ref_cnt != 1 or key is not None:
+                raise Violation(
+                    "connector-handoff",
+                    f"block {block_id} handed to the connector for {request.request_id!r} group {g} is not "
+                    f"exclusively owned (ref_cnt={ref_cnt}, cached as {key})",
+                    blocks=[block_id],
+                    requests=[request.request_id],
+                    groups=[g],
+                )
+
+
+def load_write_owned(view, request, tables, block_ids) -> None:
+    """7. A completing load writes only blocks that are still its request's own, and only its own."""
+    for group, block_id in block_ids:
+        table = tables[group] if group < len(tables) else []
+        ref_cnt = view.ref_cnt(block_id)
+        if block_id not in table or ref_cnt != 1:
+            raise Violation(
+                "connector-write-unowned",
+                f"block {block_id} is written for {request.request_id!r} group {group} but "
+                f"{'is not in its table' if block_id not in table else f'has ref_cnt {ref_cnt}'}",
+                blocks=[block_id],
+                requests=[request.request_id],
+                groups=[group],
+            )
+
+
+def write_targets(view, request, group: int, table, start: int, num_tokens: int) -> None:
+    """6 and 7. Positions [start, start + num_tokens) have blocks; none is the null block; each is
+    the writer's alone, unless it is a cached full block of the same prefix (another request may
+    hit it in the same step, before it is written)."""
+    bs, null, rid = view.block_size, view.null_block_id, request.request_id
+    if start + num_tokens > len(table) * bs:
+        raise Violation(
+            "table-too-short",
+            f"{rid!r} group {group} computes positions [{start}, {start + num_tokens}) with only {len(table)} blocks",
+            requests=[rid],
+            groups=[group],
+        )
+    hashes = request.block_hashes
+    for index in range(start // bs, cdiv(start + num_tokens, bs)):
+        block_id = table[index]
+        if block_id == null:
+            raise Violation(
+                "write-to-null-block",
+                f"{rid!r} group {group} computes into block index {index}, which is the null block",
+                blocks=[null],
+                requests=[rid],
+                groups=[group],
+            )
+        ref_cnt = view.ref_cnt(block_id)
+        if ref_cnt == 1:
+            continue
+        own = own_cache_key(hashes[index], group) if index < len(hashes) else None
+        key = view.cache_key(block_id)
+        if ref_cnt < 1 or own is None or key != own:
+            raise Violation(
+                "write-to-shared-block",
+                f"{rid!r} group {group} computes into block {block_id} (index {index}) with "
+                f"ref_cnt {ref_cnt} and cache key {key}, expected its own key {own}",
+                blocks=[block_id],
+                requests=[rid],
+                groups=[group],
+            )
