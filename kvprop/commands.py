@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kvprop import __version__
 from kvprop.cli import EXIT_CLEAN, EXIT_FOUND, EXIT_INTERRUPTED, EXIT_USAGE
-from kvprop.errors import ConfigError, KvpropError
+from kvprop.errors import ConfigError
 
 PROGRESS_EVERY = 1.0
 
@@ -428,6 +428,3 @@ def cmd_coverage(args) -> int:
     else:
         print(coverage.render(report))
     return EXIT_CLEAN
-
-
-__all__ = ["KvpropError"]

@@ -34,7 +34,7 @@ STATUS_EVERY = 2.0
 NO_LIMIT = 2**62
 MIN_EXECUTED = 0.1  # below this fraction of sampled configurations the target built, a run is not "clean"
 
-__all__ = ["DRIVERS", "FuzzOptions", "FuzzResult", "search"]
+__all__ = ["DRIVERS", "FuzzOptions", "FuzzResult", "probe", "search"]  # DRIVERS: re-exported for callers
 
 
 @attrs.frozen
