@@ -25,6 +25,7 @@ from kvprop.repro.minimise import minimise
 from kvprop.search import fuzz, profiles
 from kvprop.search.execute import execute
 from kvprop.search.machine import machine_for, trace_length
+from kvprop.search.trace import DRIVERS
 from kvprop.search.walk import plan
 from kvprop.targets.kvprop import build_kvprop_engine
 from kvprop.targets.variants import VARIANTS
@@ -163,7 +164,7 @@ def time_to_find(quick: bool) -> list[dict]:
     cap = {"walk": 20.0 if quick else 60.0, "hypothesis": 60.0 if quick else 180.0}
     rows = []
     for variant in VARIANTS:
-        for driver in fuzz.DRIVERS:
+        for driver in DRIVERS:
             secs, steps, shrunk = [], [], []
             for seed in seeds:
                 _progress(f"time to find: {variant}, {driver}, seed {seed}")

@@ -17,9 +17,9 @@ import traceback
 
 from kvprop import __version__
 from kvprop.errors import KvpropError
+from kvprop.search.trace import DRIVERS  # torch-free: --help stays fast
 
 EXIT_CLEAN, EXIT_FOUND, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-DRIVERS = ("walk", "hypothesis")  # kvprop.search.trace.DRIVERS, without importing it for --help
 MAX_OPS = 10_000
 MAX_SEED = 2**63 - 1
 

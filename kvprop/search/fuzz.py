@@ -26,15 +26,13 @@ import attrs
 
 from kvprop.search import trace as tr
 from kvprop.search.execute import execute
-from kvprop.search.trace import DRIVERS, Trace
+from kvprop.search.trace import Trace
 from kvprop.sim.engine import EVENTS
 
 REPORT_EVERY = 0.5
 STATUS_EVERY = 2.0
 NO_LIMIT = 2**62
 MIN_EXECUTED = 0.1  # below this fraction of sampled configurations the target built, a run is not "clean"
-
-__all__ = ["DRIVERS", "FuzzOptions", "FuzzResult", "probe", "search"]  # DRIVERS: re-exported for callers
 
 
 @attrs.frozen
@@ -409,7 +407,3 @@ class _Tally:
             f"[{elapsed:7.1f}s] runs {self.runs:,} | steps {self.steps:,} | {rate:,.0f} steps/s | "
             f"failures {len(self.finds)} | events {len(self.events & set(EVENTS))}/{len(EVENTS)}{refused}"
         )
-
-
-def default_workers() -> int:
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))

@@ -19,50 +19,28 @@ class Boundary:
     def __init__(self, allocator):
         self.allocator = allocator
 
-    def get_computed_blocks(self, request):
+    def _cross(self, call: str, *args, **kwargs):
         try:
-            return self.allocator.get_computed_blocks(request)
+            return getattr(self.allocator, call)(*args, **kwargs)
         except (Violation, TargetCrash):
             raise
         except Exception as e:  # noqa: BLE001 - whatever the target raises is its crash
-            raise TargetCrash("get_computed_blocks", e) from e
+            raise TargetCrash(call, e) from e
+
+    def get_computed_blocks(self, request):
+        return self._cross("get_computed_blocks", request)
 
     def allocate_slots(self, request, num_new_tokens, **kwargs):
-        try:
-            return self.allocator.allocate_slots(request, num_new_tokens, **kwargs)
-        except (Violation, TargetCrash):
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise TargetCrash("allocate_slots", e) from e
+        return self._cross("allocate_slots", request, num_new_tokens, **kwargs)
 
     def free(self, request) -> None:
-        try:
-            self.allocator.free(request)
-        except (Violation, TargetCrash):
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise TargetCrash("free", e) from e
+        self._cross("free", request)
 
     def cache_blocks(self, request, num_computed_tokens: int) -> None:
-        try:
-            self.allocator.cache_blocks(request, num_computed_tokens)
-        except (Violation, TargetCrash):
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise TargetCrash("cache_blocks", e) from e
+        self._cross("cache_blocks", request, num_computed_tokens)
 
     def reset_prefix_cache(self) -> bool:
-        try:
-            return self.allocator.reset_prefix_cache()
-        except (Violation, TargetCrash):
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise TargetCrash("reset_prefix_cache", e) from e
+        return self._cross("reset_prefix_cache")
 
     def get_block_ids(self, request_id: str):
-        try:
-            return self.allocator.get_block_ids(request_id)
-        except (Violation, TargetCrash):
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise TargetCrash("get_block_ids", e) from e
+        return self._cross("get_block_ids", request_id)
