@@ -22,10 +22,9 @@ from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_a
 from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow
 from kvprop.check.checker import Checker
 from kvprop.repro.minimise import minimise
-from kvprop.search import fuzz, profiles
+from kvprop.search import DRIVERS, fuzz, profiles
 from kvprop.search.execute import execute
 from kvprop.search.machine import machine_for, trace_length
-from kvprop.search.trace import DRIVERS
 from kvprop.search.walk import plan
 from kvprop.targets.kvprop import build_kvprop_engine
 from kvprop.targets.variants import VARIANTS

@@ -6,3 +6,5 @@ Both drivers apply the same operations to the same harness, so a trace found by 
 replays on both. ``alphabet`` and ``trace`` import neither torch nor the engine. It may
 import every layer below it: allocator, sim, check, targets.
 """
+
+DRIVERS = ("walk", "hypothesis")  # here, importing nothing, so the CLI can name them cheaply

@@ -14,10 +14,10 @@ import attrs
 from kvprop import __version__
 from kvprop.allocator.specs import AllocatorConfig, ChunkedLocal, EngineConfig, FullAttention, SlidingWindow
 from kvprop.errors import KvpropError, TargetCrash
+from kvprop.search import DRIVERS
 from kvprop.search.alphabet import OPERATION_BY_NAME
 
 FORMAT = "kvprop-trace/1"
-DRIVERS = ("walk", "hypothesis")
 # What a real run can produce, with room to spare; anything beyond is refused, not attempted.
 MAX_FILE_BYTES = 16 << 20
 MAX_STEPS = 100_000
