@@ -152,6 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
     cov.add_argument("--html", default=None, metavar="DIR", help="also write coverage.py's HTML report into DIR")
     target_args(cov)
 
+    ag = command("agree", c.cmd_agree, "walk kvprop's allocator and a target side by side (exit 1: they disagree)")
+    ag.add_argument("--target", required=True, help="'vllm' or package.module:factory")
+    ag.add_argument("--walks", type=positive_int, default=100, help="walks to compare")
+    ag.add_argument("--seed", type=seed, default=0, help="the first walk's seed; walks take consecutive seeds")
+    ag.add_argument("--max-ops", type=operations, default=200, help="operations per walk")
+    ag.add_argument(
+        "--dense", action="store_true", help="retention off in every walk (vLLM before 0.30.0 has no junction)"
+    )
+    ag.add_argument("--json", action="store_true", help="print one JSON object")
+
     bench = command("bench", c.cmd_bench, "throughput, scaling and time-to-find tables")
     bench.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     bench.add_argument("--quick", action="store_true", help="shorter runs")

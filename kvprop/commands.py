@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
+
 from kvprop import __version__
 from kvprop.cli import EXIT_CLEAN, EXIT_FOUND, EXIT_INTERRUPTED, EXIT_USAGE
 from kvprop.errors import ConfigError
@@ -394,6 +396,30 @@ def cmd_variants(args) -> int:
     for v in (CORRECT, *VARIANTS.values()):
         print(f"{v.name:30s} {v.bug}")
     return EXIT_CLEAN
+
+
+def cmd_agree(args) -> int:
+    from kvprop.search.agree import agree
+
+    if args.target == "kvprop":
+        raise ConfigError("agree compares kvprop's allocator with another target: give --target vllm or pkg.mod:f")
+    _say(args, f"kvprop {__version__} agree: kvprop vs {args.target}, walks {args.seed}..{args.seed + args.walks - 1}")
+    result = agree(args.target, range(args.seed, args.seed + args.walks), max_ops=args.max_ops, dense=args.dense)
+    if result.walks == 0:
+        raise ConfigError(f"target {args.target!r} refused all {result.refused} configurations: nothing compared")
+    d = result.disagreement
+    if args.json:
+        print(json.dumps({**attrs.asdict(result), "agree": d is None}, indent=1))
+    elif d is None:
+        print(f"agree: {result.walks} walks, {result.steps:,} steps ({result.refused} configurations refused)")
+    else:
+        print(
+            f"DISAGREE at walk seed {d.seed}, operation {d.step} ({d.operation}), {d.what}:\n"
+            f"  kvprop:  {d.reference}\n  {args.target}: {d.target}\n"
+            f"reproduce: kvprop agree --target {args.target} --seed {d.seed} --walks 1"
+            + (" --dense" if args.dense else "")
+        )
+    return EXIT_CLEAN if d is None else EXIT_FOUND
 
 
 def cmd_bench(args) -> int:

@@ -13,7 +13,7 @@
 #   release gets what it imports without a per-release table. The final check fails if
 #   any nvidia-*/triton distribution is present.
 # - kvprop itself is installed editable (--no-deps) from this repository, with attrs,
-#   hypothesis and pytest.
+#   hypothesis, pytest and coverage (for `kvprop coverage`).
 # - Idempotent: exits early when DIR/.ok names VERSION and kvprop imports from this
 #   repository (delete DIR to rebuild).
 set -euo pipefail
@@ -32,6 +32,9 @@ kvprop_ok() {
 }
 
 if [ -e "$DIR/.ok" ] && [ "$(cat "$DIR/.ok")" = "$VERSION" ] && kvprop_ok; then
+  # coverage.py joined the test tooling later: an environment built before gets it here
+  "$PY" -c 'import coverage' 2>/dev/null \
+    || "$PY" -m pip install --disable-pip-version-check -q coverage 2>&1 | grep -v 'is ignored' || true
   echo "vllm-env: $DIR already set up for vllm $VERSION; skipping (delete it to rebuild)"
   exit 0
 fi
@@ -87,9 +90,9 @@ step "base pins (--no-deps, ${#DEPS[@]} pins)"
 # 4. kvprop from this repository (editable, so the checkout is what runs) and its test
 #    tooling. --no-deps: its torch/numpy requirements are already met by the pins above.
 #    Installed before the closure loop, whose check runs kvprop's own vllm target.
-pipq hypothesis pytest attrs==26.1.0
+pipq hypothesis pytest coverage attrs==26.1.0
 pipq --no-deps -e "$REPO"
-step "kvprop (editable, --no-deps) + hypothesis, pytest, attrs"
+step "kvprop (editable, --no-deps) + hypothesis, pytest, coverage, attrs"
 
 # 5. The rest of the import closure, found by importing: run what `--target vllm` runs
 #    (kvprop.targets.vllm's imports, then building one allocator), read the

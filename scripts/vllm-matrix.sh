@@ -2,11 +2,13 @@
 # scripts/vllm-matrix.sh VERSION...   (make vllm-matrix VLLM_VERSIONS="0.22.1 0.24.0 ...")
 #
 # For each vLLM release: build its environment (scripts/vllm-env.sh; kept if already
-# there), run kvprop's vLLM tests (pytest -m vllm tests/test_vllm_target.py) and a fixed
+# there), run kvprop's vLLM tests (pytest -m vllm tests/test_vllm_target.py), a fixed
 # walk budget (kvprop fuzz --target vllm --workers 1 --max-runs 300 --seconds 600 --seed 0),
-# then print one row per release:
+# the step-for-step agreement with kvprop's model (kvprop agree --walks 100; --dense before
+# 0.30.0, which has no junction) and the coverage of vLLM's KV core (kvprop coverage
+# --seconds $VLLM_MATRIX_COVERAGE_SECONDS, default 60), then print one row per release:
 #
-#   release | builds | tests (passed/failed) | steps | verdict (clean / found KIND)
+#   release | builds | tests (passed/failed) | steps | verdict (clean / found KIND) | agree | coverage
 #
 # Logs, JSON summaries and any counterexample go under $VLLM_MATRIX_LOGS (default: a new
 # folder under /tmp). A find is a result, not a failure (releases before 0.24 are expected
@@ -22,6 +24,8 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 LOGS=${VLLM_MATRIX_LOGS:-$(mktemp -d "${TMPDIR:-/tmp}/kvprop-vllm-matrix.XXXXXX")}
 MAX_RUNS=${VLLM_MATRIX_MAX_RUNS:-300}
 SECONDS_BUDGET=${VLLM_MATRIX_SECONDS:-600}
+AGREE_WALKS=${VLLM_MATRIX_AGREE_WALKS:-100}
+COVERAGE_SECONDS=${VLLM_MATRIX_COVERAGE_SECONDS:-60}
 mkdir -p "$LOGS"
 export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-ERROR} PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
 
@@ -38,7 +42,7 @@ for v in "$@"; do
     if grep -q 'already set up' "$log/build.log"; then builds="yes (existing)"; else builds="yes ($(($(date +%s) - t0)) s)"; fi
   else
     echo "   build failed: $(tail -1 "$log/build.log")" >&2
-    ROWS+=("$v|no (see $log/build.log)|-|-|-")
+    ROWS+=("$v|no (see $log/build.log)|-|-|-|-|-")
     status=1
     continue
   fi
@@ -59,23 +63,44 @@ for v in "$@"; do
   (cd "$log" && "$py" -m kvprop fuzz --target vllm --workers 1 --max-runs "$MAX_RUNS" \
     --seconds "$SECONDS_BUDGET" --seed 0 --json --out "$log/counterexamples") \
     >"$log/fuzz.json" 2>"$log/fuzz.log"
-  read -r steps verdict < <("$py" - "$log/fuzz.json" <<'PYEOF'
+  dense=$("$py" -c 'import vllm; from packaging.version import Version; print("--dense" if Version(vllm.__version__).release[:2] < (0, 30) else "")')
+  (cd "$log" && "$py" -m kvprop agree --target vllm --walks "$AGREE_WALKS" $dense --json) >"$log/agree.json" 2>"$log/agree.log"
+  (cd "$log" && "$py" -m kvprop coverage --target vllm --seconds "$COVERAGE_SECONDS" --json) \
+    >"$log/coverage.json" 2>"$log/coverage.log"
+  IFS='|' read -r steps verdict agree covered < <("$py" - "$log" <<'PYEOF'
 import json, sys
-try:
-    s = json.load(open(sys.argv[1]))
-except Exception:  # noqa: BLE001 - no summary: the run itself failed
-    print("- error(see fuzz.log)")
-    sys.exit()
-find = s.get("find") or {}
-verdict = s["verdict"] if s["verdict"] != "found" else "found " + find.get("kind", "?")
-print(f"{s['steps']:,}", verdict.replace(" ", "_"))
+from pathlib import Path
+
+def summary(name, text):
+    """One cell from <name>.json, or where to look when the command wrote none."""
+    try:
+        return text(json.loads((Path(sys.argv[1]) / f"{name}.json").read_text()))
+    except Exception:  # noqa: BLE001 - no summary: the run itself failed
+        return f"error (see {name}.log)"
+
+def fuzz(s):
+    found = s["verdict"] == "found"
+    return f"{s['steps']:,}|" + ("found " + (s.get("find") or {}).get("kind", "?") if found else s["verdict"])
+
+def agree(s):
+    d = s["disagreement"]
+    return f"{s['walks']} walks" if d is None else f"differs: seed {d['seed']} {d['what']}"
+
+def coverage(s):
+    t = s["total"]
+    return f"{t['percent']:.1f}% ({t['percent_statements']:.1f}% statements)"
+
+cells = [summary("fuzz", fuzz), summary("agree", agree), summary("coverage", coverage)]
+if "|" not in cells[0]:
+    cells[0] = "-|" + cells[0]
+print("|".join(cells))
 PYEOF
 )
-  ROWS+=("$v|$builds|$tests|$steps|${verdict//_/ }")
+  ROWS+=("$v|$builds|$tests|$steps|$verdict|$agree|$covered")
 done
 
 {
-  echo "release|builds|tests (passed/failed)|steps|verdict"
+  echo "release|builds|tests (passed/failed)|steps|verdict|agrees with kvprop|coverage of the KV core"
   printf '%s\n' "${ROWS[@]}"
 } | column -t -s '|' -o ' | '
 echo "logs: $LOGS"

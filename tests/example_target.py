@@ -23,3 +23,20 @@ def make_target(config: AllocatorConfig):
 def make_buggy_target(config: AllocatorConfig):
     allocator = make_allocator(config, variant="interleaved-external-alloc")
     return allocator, AllocatorView(allocator)
+
+
+class _WithoutEvents:
+    """kvprop's allocator behind a facade that predates KV cache events."""
+
+    def __init__(self, allocator):
+        self._allocator = allocator
+
+    def __getattr__(self, name):
+        if name == "take_events":
+            raise AttributeError(name)
+        return getattr(self._allocator, name)
+
+
+def make_target_without_events(config: AllocatorConfig):
+    allocator = make_allocator(config)
+    return _WithoutEvents(allocator), AllocatorView(allocator)

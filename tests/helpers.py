@@ -19,8 +19,28 @@ BUGGY = "interleaved-external-alloc"
 VOCAB = 1000
 
 
-def allocator(groups, num_blocks, variant=None, enable_caching=True):
-    return make_allocator(AllocatorConfig(tuple(groups), num_blocks, enable_caching=enable_caching), variant=variant)
+def motivating_trace():
+    """The motivating bug as a 4-operation trace (minimised by kvprop on vLLM 0.23.0, README):
+    a fixed find for tests that need one, independent of what the sampler draws."""
+    from kvprop.allocator.specs import FullAttention, SlidingWindow
+    from kvprop.search.alphabet import AddLargeRequest, AddRequest
+    from kvprop.search.trace import Trace
+
+    config = EngineConfig(
+        AllocatorConfig((FullAttention(3), SlidingWindow(3, 4)), 18), token_budget=9, lookahead=0, connector="sync"
+    )
+    steps = (
+        AddLargeRequest(parent=0, seed=0),
+        AddLargeRequest(parent=0, seed=0),
+        AddRequest(parent=0, cut=0, extra=1, seed=0, max_new_tokens=1),
+        AddRequest(parent=0, cut=1, extra=6, seed=0, max_new_tokens=1),
+    )
+    return Trace(config=config, steps=steps, seed=0, driver="walk", variant=BUGGY)
+
+
+def allocator(groups, num_blocks, variant=None, enable_caching=True, retention_interval=None):
+    config = AllocatorConfig(tuple(groups), num_blocks, enable_caching, retention_interval=retention_interval)
+    return make_allocator(config, variant=variant)
 
 
 def engine(groups, num_blocks, variant=None, hooks=None, **engine_kwargs):
@@ -48,7 +68,7 @@ def hit_ids(hits) -> tuple[list[int], ...]:
 def prefill(mgr, request, num_external=0, num_new=None, **kwargs):
     """Admit ``request`` the way the scheduler does: local hit, optional external tokens,
     then the rest of the prompt (or ``num_new`` tokens). Returns (hits, num_hit, result)."""
-    hits, num_hit = mgr.get_computed_blocks(request)
+    hits, num_hit, request.shared_prefix_boundary = mgr.get_computed_blocks(request)
     if num_new is None:
         num_new = request.num_tokens - num_hit - num_external
     result = mgr.allocate_slots(

@@ -63,7 +63,7 @@ def test_hybrid_hit_is_a_fixed_point_over_groups(hybrid, evict, hit_blocks):
     assert len(probe.block_hashes) == 3
     keys = [(a.block_hashes[i], g) for i, g in evict]
     with evicted(mgr.pool, keys):
-        hits, num_hit = mgr.get_computed_blocks(probe)
+        hits, num_hit, _ = mgr.get_computed_blocks(probe)
     assert num_hit == hit_blocks * BS
     assert [len(g) for g in hits] == [hit_blocks] * 3
     if hit_blocks:
@@ -73,7 +73,7 @@ def test_hybrid_hit_is_a_fixed_point_over_groups(hybrid, evict, hit_blocks):
 def test_hybrid_hit_without_eviction_is_three_blocks(hybrid):
     """Control for the eviction cases: with everything cached the probe hits 3 blocks."""
     mgr, *_ = hybrid
-    hits, num_hit = mgr.get_computed_blocks(req("P", COMMON + [70, 71, 72], BS))
+    hits, num_hit, _ = mgr.get_computed_blocks(req("P", COMMON + [70, 71, 72], BS))
     assert num_hit == 3 * BS
     assert hit_ids(hits) == ([1, 2, 3], [NULL, 6, 7], [NULL, 10, 11])
 
@@ -84,7 +84,7 @@ def test_fixed_point_shrinks_an_earlier_group_after_a_later_one():
     a = req("A", COMMON + [1], BS)
     prefill(mgr, a)
     with evicted(mgr.pool, [(a.block_hashes[1], 1)]):
-        hits, num_hit = mgr.get_computed_blocks(req("P", COMMON + [2], BS))
+        hits, num_hit, _ = mgr.get_computed_blocks(req("P", COMMON + [2], BS))
     assert num_hit == BS
     assert hit_ids(hits) == ([1], [5])
 
@@ -129,7 +129,7 @@ def test_admission_touches_every_groups_hits_before_any_external_pop(monkeypatch
     """Two phases: all groups' hits are touched before any group takes external blocks
     (the interleaved variant pops for group 0 before touching group 1's hits)."""
     mgr, b = motivating_state(variant)
-    hits, num_hit = mgr.get_computed_blocks(b)
+    hits, num_hit, _ = mgr.get_computed_blocks(b)
     calls = record_pool_calls(mgr, monkeypatch)
     mgr.allocate_slots(b, 4, num_hit, hits, num_external_computed_tokens=8)
     first_pop = calls.index("pop")
@@ -154,7 +154,7 @@ def test_admitted_request_cannot_take_new_hits():
     r = req("r", range(5), 2)
     prefill(mgr, r)
     other = req("o", range(5), 2)
-    hits, num_hit = mgr.get_computed_blocks(other)
+    hits, num_hit, _ = mgr.get_computed_blocks(other)
     assert num_hit == 4
     r.append_token(1)  # a decode step: the call is well-formed but for the hits
     with pytest.raises(AssertionError, match="admitted request r cannot take new cache hits"):

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import BUGGY, motivating_trace
 
 from kvprop.errors import ConfigError
 from kvprop.search.execute import execute
@@ -45,4 +46,4 @@ def test_scatter_gather_compare_round_trip(device):
 def test_walks_run_clean_and_find_the_motivating_bug_on_the_device(device):
     for seed in range(5):
         assert execute(plan(seed), device=device) is None
-    assert any(execute(plan(seed), variant="interleaved-external-alloc", device=device) for seed in range(60))
+    assert execute(motivating_trace(), variant=BUGGY, device=device).kind == "block-in-two-groups"

@@ -591,3 +591,39 @@ def test_a_refused_malformed_call_that_changed_state_is_misuse_changed_state(mon
 
 
 EXERCISED |= {k for _, k in DECISION_CASES} | {"accepted-beyond-capacity", "hit-too-long", "misuse-changed-state"}
+
+
+# ---- the event stream (13): events lost or invented on the way out of a sound engine -------
+
+
+def _engine_with_events():
+    from kvprop.allocator.specs import AllocatorConfig, EngineConfig
+    from kvprop.targets.kvprop import build_kvprop_engine
+
+    checker = Checker()
+    config = EngineConfig(AllocatorConfig(GROUPS, 24, enable_kv_cache_events=True))
+    eng = build_kvprop_engine(config, device="cpu", hooks=checker)
+    eng.add_request(SHARED + [3], 4)
+    eng.step()
+    return eng, checker
+
+
+def test_events_that_never_reach_the_router_are_events_diverge():
+    eng, checker = _engine_with_events()
+    eng.allocator.take_events()  # lost on the way out
+    with pytest.raises(Violation) as info:
+        checker.check_all(eng)
+    assert info.value.kind == "events-diverge"
+
+
+def test_a_removal_of_a_key_never_stored_is_events_unknown_removal():
+    from kvprop.allocator.events import Removed
+
+    eng, checker = _engine_with_events()
+    eng.allocator.pool.events.append(Removed((7, 0)))
+    with pytest.raises(Violation) as info:
+        checker.check_all(eng)
+    assert info.value.kind == "events-unknown-removal"
+
+
+EXERCISED |= {"events-diverge", "events-unknown-removal"}

@@ -262,7 +262,7 @@ def test_hit_never_covers_the_last_prompt_token():
     """A prompt of exactly 2 full blocks re-hits only 1: the last token must be computed."""
     mgr = allocator([FullAttention(2)], 8)
     prefill(mgr, req("a", [1, 2, 3, 4], 2))
-    hits, num_hit = mgr.get_computed_blocks(req("b", [1, 2, 3, 4], 2))
+    hits, num_hit, _ = mgr.get_computed_blocks(req("b", [1, 2, 3, 4], 2))
     assert hit_ids(hits) == ([1],) and num_hit == 2
 
 
@@ -271,7 +271,7 @@ def test_caching_disabled_gives_no_hits_and_caches_nothing():
     mgr = allocator([FullAttention(2)], 8, enable_caching=False)
     prefill(mgr, req("a", [1, 2, 3, 4, 5], 2))
     assert mgr.pool.cached == {}
-    hits, num_hit = mgr.get_computed_blocks(req("b", [1, 2, 3, 4, 5], 2))
+    hits, num_hit, _ = mgr.get_computed_blocks(req("b", [1, 2, 3, 4, 5], 2))
     assert hit_ids(hits) == ([],) and num_hit == 0
 
 

@@ -104,7 +104,7 @@ def test_correct_target_passes_beside_the_tests_named(project):
 
 
 def test_buggy_target_fails_with_the_violation_and_a_replayable_trace(project):
-    run = kvprop_run(project, BUGGY, "--kvprop-examples", "150", "--kvprop-out", "found")
+    run = kvprop_run(project, BUGGY, "--kvprop-examples", "800", "--kvprop-out", "found")
     assert run.returncode == 1, run.stdout + run.stderr
     assert f"FAILED kvprop[{BUGGY}]" in run.stdout and "1 failed, 1 passed" in run.stdout
     assert f"kvprop: target {BUGGY!r} failed block-in-two-groups (Hypothesis, profile ci" in run.stdout

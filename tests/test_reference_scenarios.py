@@ -131,7 +131,7 @@ def test_capacity_one_evictable_hit_counts_two_takes_one_new():
     mgr.free(a)
     assert queue(mgr) == [2, 3, 4, 1]
     b = req("b", [1, 2, 9], 2)
-    hits, num_hit = mgr.get_computed_blocks(b)
+    hits, num_hit, _ = mgr.get_computed_blocks(b)
     assert hit_ids(hits) == ([1],) and num_hit == 2
     assert mgr.coordinator.count_blocks_to_allocate("b", 3, hits, num_hit) == 2
     new = mgr.allocate_slots(b, 1, num_hit, hits)
@@ -158,7 +158,7 @@ def test_capacity_refusal_leaves_hits_and_queue_unchanged():
     mgr.free(a)
     assert queue(mgr) == [2, 1]
     b = req("b", [1, 2, 9, 9, 9], 2)
-    hits, num_hit = mgr.get_computed_blocks(b)
+    hits, num_hit, _ = mgr.get_computed_blocks(b)
     assert hit_ids(hits) == ([1],)
     # 2 new blocks + the free hit = 3 counted with 2 free.
     assert mgr.coordinator.count_blocks_to_allocate("b", 5, hits, num_hit) == 3
@@ -208,7 +208,7 @@ def test_sliding_window_prompt_shorter_than_window():
     though it is shorter than the window needs (window 16 = 8 blocks at size 2)."""
     mgr = allocator([SlidingWindow(2, 16)], 10)
     prefill(mgr, req("a", [1, 2, 3, 4, 5], 2))
-    hits, num_hit = mgr.get_computed_blocks(req("b", [1, 2, 3, 4, 5], 2))
+    hits, num_hit, _ = mgr.get_computed_blocks(req("b", [1, 2, 3, 4, 5], 2))
     assert hit_ids(hits) == ([1, 2],) and num_hit == 4
 
 
@@ -268,12 +268,12 @@ def test_hybrid_step3_eviction_shrinks_hit_to_the_common_fixed_point(hybrid21):
     pool = mgr.pool
 
     saved = pool.cached.pop((a.block_hashes[2], 0))
-    hits, num_hit = mgr.get_computed_blocks(probe)
+    hits, num_hit, _ = mgr.get_computed_blocks(probe)
     assert num_hit == 2 * BS4
     assert hit_ids(hits) == ([1, 2], [5, 6], [9, 10])
 
     saved_w = {g: pool.cached.pop((a.block_hashes[0], g)) for g in (1, 2)}
-    hits, num_hit = mgr.get_computed_blocks(probe)
+    hits, num_hit, _ = mgr.get_computed_blocks(probe)
     assert num_hit == 0
     assert hit_ids(hits) == ([], [], [])
 

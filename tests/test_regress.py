@@ -8,13 +8,14 @@ import sys
 from pathlib import Path
 
 import attrs
+import helpers
 import pytest
 
 from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention
 from kvprop.repro import regress
 from kvprop.search.alphabet import Step
+from kvprop.search.execute import execute
 from kvprop.search.trace import Failure, Trace, TraceError, to_dict
-from kvprop.search.walk import run_walk
 
 ROOT = Path(__file__).resolve().parent.parent
 BUG = "interleaved-external-alloc"
@@ -120,11 +121,8 @@ def test_a_trace_from_dict_would_refuse_is_refused_at_render():
 
 @pytest.fixture(scope="module")
 def motivating_trace() -> Trace:
-    for seed in range(200):
-        result = run_walk(seed, variant=BUG)
-        if result.failure is not None:
-            return attrs.evolve(result.trace, failure=result.failure)
-    raise AssertionError("no walk of seeds 0..199 found the motivating bug")
+    trace = helpers.motivating_trace()
+    return attrs.evolve(trace, failure=execute(trace, variant=BUG))
 
 
 def test_generated_test_fails_on_the_variant_and_passes_on_the_correct_allocator(motivating_trace, tmp_path):

@@ -40,3 +40,17 @@ def test_an_unknown_field_is_refused():
     data["comment"] = "hello"
     with pytest.raises(tr.TraceError, match=r"unknown field\(s\) \['comment'\]"):
         tr.from_dict(data)
+
+
+def test_a_trace_written_before_retention_and_events_reads_as_dense_without_events():
+    data = tr.to_dict(plan(3))
+    del data["config"]["retention_interval"], data["config"]["enable_kv_cache_events"]
+    allocator = tr.from_dict(data).config.allocator
+    assert (allocator.retention_interval, allocator.enable_kv_cache_events) == (None, False)
+
+
+def test_a_retention_interval_of_the_wrong_type_is_refused():
+    data = tr.to_dict(plan(3))
+    data["config"]["retention_interval"] = "0"
+    with pytest.raises(tr.TraceError, match=r"config.retention_interval: expected int or null, got '0'"):
+        tr.from_dict(data)

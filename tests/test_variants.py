@@ -53,6 +53,8 @@ CAUGHT_WITHOUT_GUARDS = {
     "hit-stops-early": "hit-too-short",
     "free-keeps-cached-count": "freed-request-remains",
     "accepts-negative-external": "misuse-accepted",
+    "retention-tail-short": "cached-block-lost-hash",
+    "eviction-unannounced": "events-diverge",
 }
 
 

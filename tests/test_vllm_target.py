@@ -27,10 +27,11 @@ from packaging.version import Version  # noqa: E402
 
 from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow  # noqa: E402
 from kvprop.check import invariants as inv  # noqa: E402
-from kvprop.errors import Violation  # noqa: E402
+from kvprop.errors import ConfigError, Violation  # noqa: E402
 from kvprop.repro.minimise import minimise  # noqa: E402
 from kvprop.search import profiles  # noqa: E402
 from kvprop.search import trace as tr  # noqa: E402
+from kvprop.search.agree import agree  # noqa: E402
 from kvprop.search.execute import execute  # noqa: E402
 from kvprop.search.machine import failure_trace, machine_for  # noqa: E402
 from kvprop.search.walk import run_walk  # noqa: E402
@@ -57,7 +58,7 @@ def req(request_id, tokens, block_size, max_new_tokens=4):
 
 def prefill(allocator, request, num_external=0):
     """Admit ``request`` the way the scheduler does: local hit, external tokens, the rest."""
-    hits, num_hit = allocator.get_computed_blocks(request)
+    hits, num_hit, request.shared_prefix_boundary = allocator.get_computed_blocks(request)
     result = allocator.allocate_slots(
         request,
         request.num_tokens - num_hit - num_external,
@@ -91,7 +92,7 @@ def test_motivating_scenario_block_ids_per_release():
     assert view.free_queue_ids() == [4, 3, 2, 1, 8, 7, 6, 5, 10, 9, 12, 11]
 
     b = req("B", list(range(16)) + list(range(2000, 2012)), 4)
-    hits, num_hit = allocator.get_computed_blocks(b)
+    hits, num_hit, _ = allocator.get_computed_blocks(b)
     assert num_hit == 16 and hit_ids(hits) == ([1, 2, 3, 4], [5, 6, 7, 8])
     assert (
         allocator.allocate_slots(
@@ -286,3 +287,25 @@ def test_walker_is_clean_on_the_fixed_release():
     for seed in range(300):
         result = run_walk(seed, target="vllm")
         assert result.failure is None, (seed, result.failure)
+
+
+# ---- retention and step-for-step agreement with kvprop's model -------------------------------
+
+
+@pytest.mark.parametrize("interval", [None, 0, 8])
+def test_the_retention_interval_reaches_vllms_coordinator(interval):
+    config = AllocatorConfig((FullAttention(4), SlidingWindow(4, 8)), 32, retention_interval=interval)
+    if RELEASE < (0, 23) and interval is not None:
+        with pytest.raises(ConfigError, match="no prefix-cache retention"):
+            make_target(config)
+        return
+    allocator, _ = make_target(config)
+    assert getattr(allocator.manager.coordinator, "retention_interval", None) == interval
+
+
+def test_kvprop_and_vllm_agree_step_for_step():
+    """The same walks on kvprop's allocator and on vLLM's leave the same tables, cache keys
+    and free count after every operation (retention, junctions and windows included; before
+    0.30.0 vLLM has no junction, so its walks run dense)."""
+    result = agree("vllm", range(40), dense=RELEASE < (0, 30))
+    assert (result.disagreement, result.walks) == (None, 40)

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 import attrs
 
 from kvprop.allocator import guards
+from kvprop.allocator.events import Cleared, Removed, Stored
 from kvprop.errors import AllocatorError
 
 CacheKey = tuple  # (block hash, group id)
@@ -95,10 +96,11 @@ class BlockPool:
     prefix before either is cached, and both results stay valid hits.
 
     ``changed`` collects the ids of blocks whose count, hash or queue links changed; the
-    checker takes it to verify only what moved (the pool never reads it).
+    checker takes it to verify only what moved (the pool never reads it). ``events`` queues
+    the KV cache events (``kvprop.allocator.events``) when they are enabled, else is None.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, enable_caching: bool = True, enable_events: bool = False):
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -108,6 +110,11 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks[1:], self.changed)
         self.cached: dict[CacheKey, dict[int, Block]] = {}
         self.num_evictions = 0
+        self.events: list | None = [] if enable_events else None
+
+    def take_events(self) -> list:
+        events, self.events = self.events, ([] if self.events is not None else None)
+        return events or []
 
     @property
     def num_free_blocks(self) -> int:
@@ -141,6 +148,8 @@ class BlockPool:
             entry.pop(block.block_id, None)
             if not entry:
                 del self.cached[block.key]
+        if self.events is not None:
+            self.events.append(Removed(block.key))
         block.key = None
         self.num_evictions += 1
         self.changed.add(block.block_id)
@@ -187,6 +196,8 @@ class BlockPool:
         block.key = (block_hash, group_id)
         self.cached.setdefault(block.key, {})[block.block_id] = block
         self.changed.add(block.block_id)
+        if self.events is not None:
+            self.events.append(Stored(block.key))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash; only allowed while no block but the null block is in use."""
@@ -196,4 +207,6 @@ class BlockPool:
             block.key = None
         self.cached.clear()
         self.changed.update(range(self.num_blocks))
+        if self.events is not None:
+            self.events.append(Cleared())
         return True

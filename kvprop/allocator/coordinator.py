@@ -10,7 +10,7 @@ from __future__ import annotations
 from kvprop.allocator import guards
 from kvprop.allocator.block_pool import Block, BlockPool
 from kvprop.allocator.managers import MANAGER_FOR_SPEC, SingleTypeManager
-from kvprop.allocator.specs import AllocatorConfig
+from kvprop.allocator.specs import AllocatorConfig, FullAttention
 
 
 class KVCacheCoordinator:
@@ -21,21 +21,31 @@ class KVCacheCoordinator:
         self.pool = pool
         self.block_size = config.block_size
         self.managers: list[SingleTypeManager] = [
-            manager_for_spec[type(spec)](spec, pool, g, config.enable_caching) for g, spec in enumerate(config.groups)
+            manager_for_spec[type(spec)](spec, pool, g, config.enable_caching, config.retention_interval)
+            for g, spec in enumerate(config.groups)
         ]
+        # Full attention first, as vLLM orders its lookups: the final hit does not depend on
+        # the order (every group's lookup is monotone in the candidate length), the junction does.
+        groups = config.groups
+        self.lookup_order = sorted(range(len(groups)), key=lambda g: not isinstance(groups[g], FullAttention))
 
-    def find_longest_cache_hit(self, block_hashes: list[int], max_length: int) -> tuple[tuple[list[Block], ...], int]:
-        """Shrink the candidate length group by group until no group shrinks it further."""
-        length = max_length
+    def find_longest_cache_hit(self, block_hashes: list[int], max_length: int):
+        """(hits per group, hit length, junction). The length shrinks group by group until no
+        group shrinks it further; the junction is the first lookup's hit where it is longer than
+        the final one: a prefix some request shares that a sliding window has not retained yet
+        (vLLM's ``shared_prefix_boundary``, 0.30.0 on), 0 when there is none."""
+        length, first = max_length, None
         while True:
-            found = []
+            found: list = [None] * len(self.managers)
             candidate = length
-            for manager in self.managers:
-                hits = manager.find_longest_cache_hit(block_hashes, candidate)
+            for g in self.lookup_order:
+                hits = self.managers[g].find_longest_cache_hit(block_hashes, candidate)
                 candidate = len(hits) * self.block_size
-                found.append(hits)
+                found[g] = hits
+                if first is None:
+                    first = candidate
             if candidate == length:
-                return tuple(found), length
+                return tuple(found), length, first if first > length else 0
             length = candidate
 
     def is_admitted(self, request_id: str) -> bool:
@@ -83,7 +93,7 @@ class UnitaryCoordinator(KVCacheCoordinator):
 
     def find_longest_cache_hit(self, block_hashes, max_length):
         hits = self.managers[0].find_longest_cache_hit(block_hashes, max_length)
-        return (hits,), len(hits) * self.block_size
+        return (hits,), len(hits) * self.block_size, 0
 
 
 class HybridCoordinator(KVCacheCoordinator):

@@ -40,7 +40,7 @@ class KVCacheManager:
         self.config = config
         self.block_size = config.block_size
         self.enable_caching = config.enable_caching
-        self.pool: BlockPool = parts.pool(config.num_blocks, config.enable_caching)
+        self.pool: BlockPool = parts.pool(config.num_blocks, config.enable_caching, config.enable_kv_cache_events)
         coordinator_cls = parts.unitary if len(config.groups) == 1 else parts.hybrid
         self.coordinator: KVCacheCoordinator = coordinator_cls(config, self.pool, parts.managers)
         self.num_groups = len(config.groups)
@@ -53,9 +53,10 @@ class KVCacheManager:
         return tuple([] for _ in range(self.num_groups))
 
     def get_computed_blocks(self, request):
-        """Hit blocks per group and the hit length; never the last token (it must produce logits)."""
+        """Hit blocks per group, the hit length (never the last token: it must produce logits)
+        and the shared-prefix junction (``KVCacheCoordinator.find_longest_cache_hit``)."""
         if not self.enable_caching:
-            return self.empty_hits(), 0
+            return self.empty_hits(), 0, 0
         return self.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
 
     def allocate_slots(
@@ -144,6 +145,10 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
+
+    def take_events(self) -> list:
+        """The KV cache events since the last call (``kvprop.allocator.events``); [] when off."""
+        return self.pool.take_events()
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return self.coordinator.get_block_ids(request_id)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from kvprop.allocator import guards
 from kvprop.allocator.block_pool import Block, BlockPool
+from kvprop.allocator.retention import kept_block_mask, resume_boundaries
 from kvprop.allocator.specs import ChunkedLocal, FullAttention, SlidingWindow, cdiv
 
 
@@ -18,8 +19,9 @@ class SingleTypeManager:
     signal the coordinator's fast path uses to tell an admitted request from a new one.
     """
 
-    def __init__(self, spec, pool: BlockPool, group_id: int, enable_caching: bool):
+    def __init__(self, spec, pool: BlockPool, group_id: int, enable_caching: bool, retention_interval=None):
         self.spec = spec
+        self.retention_interval = retention_interval
         self.block_size = spec.block_size
         self.pool = pool
         self.group_id = group_id
@@ -92,17 +94,24 @@ class SingleTypeManager:
         table.extend(new)
         return new
 
+    def kept_mask(self, request, start: int, end: int) -> list[bool] | None:
+        """Which of blocks ``start..end-1`` get a hash; None: all of them (retention thins
+        only sliding windows)."""
+        return None
+
     def cache_blocks(self, request, num_tokens: int) -> None:
-        """Cache the blocks that ``num_tokens`` tokens fill, past those already cached."""
+        """Cache the blocks that ``num_tokens`` tokens fill, past those already cached. A block
+        retention does not keep is counted as cached all the same, and never hashed later."""
         num_full = num_tokens // self.block_size
         num_cached = self.num_cached_block.get(request.request_id, 0)
         if num_full <= num_cached:
             return
         table = self.req_to_blocks[request.request_id]
         hashes = request.block_hashes
+        mask = self.kept_mask(request, num_cached, num_full)
         for i in range(num_cached, num_full):
             block = table[i]
-            if block is not self.null_block:
+            if block is not self.null_block and (mask is None or mask[i - num_cached]):
                 self.pool.cache_block(block, hashes[i], self.group_id)
         self.num_cached_block[request.request_id] = num_full
 
@@ -124,6 +133,9 @@ class FullAttentionManager(SingleTypeManager):
 
 
 class SlidingWindowManager(SingleTypeManager):
+    def kept_mask(self, request, start: int, end: int) -> list[bool]:
+        return kept_block_mask(self.spec, self.retention_interval, resume_boundaries(request), start, end)
+
     def find_longest_cache_hit(self, block_hashes: list[int], max_length: int) -> list[Block]:
         """Scan from the right for the last run of blocks that covers a full window.
 

@@ -117,13 +117,41 @@ def _check_bool(instance, attribute, value):
         raise ConfigError(f"{type(instance).__name__}.{attribute.name} must be True or False, got {value!r}")
 
 
+def _check_retention(instance, attribute, value):
+    """vLLM's rule (``_validate_prefix_cache_retention_interval``, 0.30.0 on): None (dense) always;
+    a model with no sliding window accepts only 0 (retention thins nothing there); otherwise
+    a non-negative multiple of the block size."""
+    if value is None:
+        return
+    name = "AllocatorConfig.retention_interval"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be None or an integer, got {value!r}")
+    if not any(isinstance(spec, SlidingWindow) for spec in instance.groups):
+        if value != 0:
+            raise ConfigError(f"{name} must be None or 0 without a sliding-window group, got {value}")
+        return
+    if value < 0 or value % instance.groups[0].block_size or value > MAX_TOKENS:
+        raise ConfigError(
+            f"{name} must be None or a multiple of block_size={instance.groups[0].block_size} "
+            f"in [0, {MAX_TOKENS:,}], got {value}"
+        )
+
+
 @attrs.frozen
 class AllocatorConfig:
-    """The allocator's shape: groups sharing one pool of ``num_blocks`` (block 0 is the null block)."""
+    """The allocator's shape: groups sharing one pool of ``num_blocks`` (block 0 is the null block).
+
+    ``retention_interval`` is vLLM's prefix-cache retention (``CacheConfig.
+    prefix_cache_retention_interval``, production default 0 since 0.30.0): which sliding-window
+    blocks are worth a hash (``kvprop.allocator.retention``). None caches every block.
+    ``enable_kv_cache_events`` queues the events a router outside the engine replays
+    (``kvprop.allocator.events``)."""
 
     groups: tuple = attrs.field(converter=lambda g: tuple(g) if isinstance(g, list) else g, validator=_check_groups)
     num_blocks: int = attrs.field(validator=_int_at_least(2))
     enable_caching: bool = attrs.field(default=True, validator=_check_bool)
+    retention_interval: int | None = attrs.field(default=None, validator=_check_retention, kw_only=True)
+    enable_kv_cache_events: bool = attrs.field(default=False, validator=_check_bool, kw_only=True)
 
     def __attrs_post_init__(self):
         if self.num_blocks * self.block_size > MAX_SLOTS:

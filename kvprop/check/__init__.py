@@ -18,7 +18,8 @@ Verified, for every target, through its view and the engine's own records
 10. allocations are granted when they surely fit and refused when they surely do not;
     cache hits are exactly as long as the cache map allows;
 11. malformed calls a target's contract refuses are refused and change nothing;
-12. a freed request leaves nothing behind; the null block is never queued or cached.
+12. a freed request leaves nothing behind; the null block is never queued or cached;
+13. replaying the KV cache events (when enabled) reproduces the cache map's keys.
 
 Not verified (details in ``docs/design.md``, "What is not checked"): decisions between the
 two capacity bounds, eviction order, calls outside a target's caller contract, a

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from kvprop.check import decisions, moments
 from kvprop.check import invariants as inv
+from kvprop.check.events import EventLedger
 from kvprop.check.mirror import Mirror
 from kvprop.sim.engine import Hooks
 
@@ -42,6 +43,7 @@ class Checker(Hooks):
         self.pending_changes: set = set()
         self.num_checks = 0
         self.expected_rows: dict = {}  # cache key -> what a block cached under it must hold
+        self.ledger = EventLedger()
 
     def incremental(self, engine) -> bool:
         return self.full_every > 1 and hasattr(engine.view, "take_changes")
@@ -170,14 +172,24 @@ class Checker(Hooks):
         inv.check_tables(engine, view, tables, keys, pending or {}, admitted_now)
         return tables, keys
 
+    def check_events(self, engine) -> None:
+        """13, at every drain of the event queue: after each operation (vLLM's scheduler drains
+        it once per step), once the cache map itself has been judged."""
+        events = engine.take_kv_events()
+        if events is not None:
+            self.ledger.apply(events)
+            self.ledger.compare(engine.view)
+
     def check_all(self, engine) -> None:
         if not self.enabled:
+            engine.take_kv_events()  # drained all the same, as a scheduler would: never piles up
             return
         self.num_checks += 1
         if self.incremental(engine) and self.num_checks % self.full_every:
             _, keys, changed = self.check_structure(engine)
             cached = [(b, keys[b]) for b in changed if keys[b] is not None]
             inv.check_recent_data(engine, engine.view, cached, self.expected_rows)
+            self.check_events(engine)
             return
         self.check_full(engine)
 
@@ -189,6 +201,7 @@ class Checker(Hooks):
         tables, keys = self._sweep_structure(engine)
         engine.memory.take_recent_writes()
         inv.check_data(engine, view, tables, keys, self.expected_rows)
+        self.check_events(engine)
         if self.incremental(engine):
             self.mirror = Mirror(view)
             self.signatures.clear()

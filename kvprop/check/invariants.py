@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from kvprop.allocator.hashing import fingerprint
-from kvprop.allocator.specs import SlidingWindow, cdiv
+from kvprop.allocator.specs import cdiv
+from kvprop.check.retention import retained_indices
 from kvprop.errors import Violation
 from kvprop.sim.memory import UNWRITTEN
 from kvprop.sim.request import Status
@@ -234,6 +235,7 @@ def check_tables(
     ``only`` restricts the per-table part to those request ids (the incremental checker
     passes the requests whose tables or progress changed)."""
     bs, null, lookahead = view.block_size, view.null_block_id, engine.config.lookahead
+    interval = engine.config.allocator.retention_interval
     requests = engine.requests
 
     def admitted(rid):
@@ -291,18 +293,20 @@ def check_tables(
                     groups=[g],
                 )
             cached_count_covers(rid, g, table, request.block_hashes, keys, num_cached, null)
-            # A window of one token never needs an earlier block for a hit, so an allocator may
-            # count such blocks as done without caching them (vLLM does); any other key is wrong.
-            uncached_ok = isinstance(spec, SlidingWindow) and spec.hit_blocks_needed == 0
+            # Retention lets a block no served hit can use be counted as cached without a hash
+            # (kvprop.check.retention); every other key is wrong.
+            retained = retained_indices(spec, interval, request, num_cached)
             for i, (block_id, block_hash) in enumerate(zip(table[:num_cached], request.block_hashes)):
                 if block_id == null:
                     continue
                 own = own_cache_key(block_hash, g)
-                if keys[block_id] != own and not (uncached_ok and keys[block_id] is None):
+                key = keys[block_id]
+                if key != own and not (key is None and retained is not None and i not in retained):
+                    why = "" if retained is None else " (retention keeps that index)"
                     raise Violation(
                         "cached-block-lost-hash",
                         f"{rid!r} group {g} counts block {block_id} (index {i}) as cached with its own hash "
-                        f"{own}, but the block is cached as {keys[block_id]}",
+                        f"{own}, but the block is cached as {key}{why}",
                         blocks=[block_id],
                         requests=[rid],
                         groups=[g],

@@ -61,5 +61,7 @@ KINDS = {
         Kind("misuse-accepted", 11, "a malformed call the target's contract refuses is refused"),
         Kind("misuse-changed-state", 11, "a refused malformed call changes nothing"),
         Kind("freed-request-remains", 12, "a freed request leaves no table, cached count or pending load"),
+        Kind("events-diverge", 13, "replaying the KV cache events reproduces the cache map's keys"),
+        Kind("events-unknown-removal", 13, "a removed event names a key the replayed events hold"),
     )
 }

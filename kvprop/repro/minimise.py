@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import attrs
 
-from kvprop.allocator.specs import AllocatorConfig, FullAttention
+from kvprop.allocator.specs import FullAttention
 from kvprop.errors import ConfigError
 from kvprop.search.alphabet import PROMPT_PRODUCERS, AddLargeRequest, AddRequest
 from kvprop.search.execute import execute
@@ -129,8 +129,13 @@ class Minimiser:
                         break
 
     def simplify_config(self) -> None:
-        for config in _simpler_configs(self.best.config):
-            self.accept(attrs.evolve(self.best, config=config))
+        """Keep the first simpler configuration that still fails, then start over from it: a
+        candidate drawn from an older configuration could undo an accepted simplification."""
+        while any(
+            config is not None and config != self.best.config and self.accept(attrs.evolve(self.best, config=config))
+            for config in _simpler_configs(self.best.config)
+        ):
+            pass
 
 
 def without(steps, start: int, stop: int) -> tuple:
@@ -165,7 +170,17 @@ def _smaller(value: int, lo: int):
             yield v
 
 
+def _with_allocator(config, **changes):
+    """``config`` with those allocator fields changed; None where that is no valid allocator
+    (a retention interval left without a sliding window to thin)."""
+    try:
+        return attrs.evolve(config, allocator=attrs.evolve(config.allocator, **changes))
+    except ConfigError:
+        return None
+
+
 def _simpler_configs(config):
+    """Simpler configurations, simplest first; None stands for one that is not valid."""
     a = config.allocator
     groups = a.groups
     candidates = []
@@ -173,9 +188,15 @@ def _simpler_configs(config):
         candidates += [groups[:i] + groups[i + 1 :] for i in range(len(groups))]
     candidates += [tuple(FullAttention(g.block_size) if g.kind != "full" else g for g in groups)]
     for new_groups in candidates:
-        yield attrs.evolve(config, allocator=attrs.evolve(a, groups=new_groups))
+        yield _with_allocator(config, groups=new_groups)
+    if a.enable_kv_cache_events:
+        yield _with_allocator(config, enable_kv_cache_events=False)
+    if a.retention_interval is not None:  # dense caching has no rule of its own to read
+        yield _with_allocator(config, retention_interval=None)
+        if a.retention_interval:
+            yield _with_allocator(config, retention_interval=0)
     for n in _smaller(a.num_blocks, 2):
-        yield attrs.evolve(config, allocator=AllocatorConfig(a.groups, n, a.enable_caching))
+        yield _with_allocator(config, num_blocks=n)
     for budget in _smaller(config.token_budget, 1):
         yield attrs.evolve(config, token_budget=budget)
     if config.lookahead:
@@ -193,7 +214,7 @@ def _simpler_configs(config):
                 if field == "chunk" and smaller % spec.block_size:
                     continue
                 new = groups[:g] + (attrs.evolve(spec, **{field: smaller}),) + groups[g + 1 :]
-                yield attrs.evolve(config, allocator=attrs.evolve(a, groups=new))
+                yield _with_allocator(config, groups=new)
 
 
 def minimiser_for(trace: Trace, variant=None, target=None, device=None, progress=None) -> Minimiser:

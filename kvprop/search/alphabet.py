@@ -51,13 +51,29 @@ def sample_config(choose) -> EngineConfig:
         else:
             groups.append(ChunkedLocal(bs, bs * choose.integer(1, 4)))
     num_blocks = choose.integer(max(4, 1 + 3 * len(groups)), choose.pick((16, 32, 64)))
+    enable_caching = choose.integer(0, 7) > 0
+    token_budget, lookahead, connector = choose.integer(1, 64), choose.integer(0, 2), choose.pick(CONNECTORS)
     return EngineConfig(
-        allocator=AllocatorConfig(tuple(groups), num_blocks, enable_caching=choose.integer(0, 7) > 0),
-        token_budget=choose.integer(1, 64),
-        lookahead=choose.integer(0, 2),
-        connector=choose.pick(CONNECTORS),
+        allocator=AllocatorConfig(
+            tuple(groups),
+            num_blocks,
+            enable_caching,
+            retention_interval=_retention(choose, groups, bs),
+            enable_kv_cache_events=choose.integer(0, 1) == 1,
+        ),
+        token_budget=token_budget,
+        lookahead=lookahead,
+        connector=connector,
         vocab=4,
     )
+
+
+def _retention(choose, groups, bs: int) -> int | None:
+    """vLLM's production value (0, since 0.30.0) two times in five, dense (None, the default
+    before) and two periodic intervals otherwise; it only matters with a sliding window."""
+    if not any(isinstance(spec, SlidingWindow) for spec in groups):
+        return 0
+    return choose.pick((0, 0, None, bs, 2 * bs))
 
 
 # ---- operations -------------------------------------------------------------------------

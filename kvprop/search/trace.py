@@ -87,6 +87,8 @@ def config_to_dict(config: EngineConfig) -> dict:
         "groups": [{"kind": s.kind, **attrs.asdict(s)} for s in a.groups],
         "num_blocks": a.num_blocks,
         "enable_caching": a.enable_caching,
+        "retention_interval": a.retention_interval,
+        "enable_kv_cache_events": a.enable_kv_cache_events,
         "token_budget": config.token_budget,
         "lookahead": config.lookahead,
         "connector": config.connector,
@@ -98,6 +100,10 @@ def _require(d, key, where, types):
     if not isinstance(d, dict) or key not in d:
         raise TraceError(f"{where}: missing field {key!r}")
     return _typed(d[key], f"{where}.{key}", types)
+
+
+def _optional(d, key, default, types):
+    return _typed(d.get(key, default), f"config.{key}", types)
 
 
 def _typed(value, where, types):
@@ -121,7 +127,17 @@ def _only(d: dict, allowed, where: str) -> None:
         raise TraceError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
 
 
-CONFIG_FIELDS = ("groups", "num_blocks", "enable_caching", "token_budget", "lookahead", "connector", "vocab")
+CONFIG_FIELDS = (
+    "groups",
+    "num_blocks",
+    "enable_caching",
+    "retention_interval",
+    "enable_kv_cache_events",
+    "token_budget",
+    "lookahead",
+    "connector",
+    "vocab",
+)
 
 
 def config_from_dict(d) -> EngineConfig:
@@ -144,7 +160,12 @@ def config_from_dict(d) -> EngineConfig:
     try:
         return EngineConfig(
             AllocatorConfig(
-                tuple(groups), _require(d, "num_blocks", "config", int), _require(d, "enable_caching", "config", bool)
+                tuple(groups),
+                _require(d, "num_blocks", "config", int),
+                _require(d, "enable_caching", "config", bool),
+                # absent from traces written before these were modelled: those ran dense, without events
+                retention_interval=_optional(d, "retention_interval", None, (int, type(None))),
+                enable_kv_cache_events=_optional(d, "enable_kv_cache_events", False, bool),
             ),
             token_budget=_require(d, "token_budget", "config", int),
             lookahead=_require(d, "lookahead", "config", int),

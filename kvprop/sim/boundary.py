@@ -42,5 +42,8 @@ class Boundary:
     def reset_prefix_cache(self) -> bool:
         return self._cross("reset_prefix_cache")
 
+    def take_events(self) -> list:
+        return self._cross("take_events")
+
     def get_block_ids(self, request_id: str):
         return self._cross("get_block_ids", request_id)

@@ -203,6 +203,12 @@ class Engine:
 
     # ---- external loads ---------------------------------------------------------------
 
+    def take_kv_events(self) -> list | None:
+        """The target's KV cache events since the last call; None when they are off."""
+        if not self.config.allocator.enable_kv_cache_events:
+            return None
+        return self.boundary.take_events()
+
     def finish_load(self, request_id: str, ok: bool) -> None:
         """An asynchronous load completes (``ok``) or fails; failure means recompute."""
         request = self.loading.get(request_id)
@@ -340,7 +346,7 @@ class Engine:
     def _admit(self, report: StepReport, budget: int) -> int:
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            hits, num_hit = self.boundary.get_computed_blocks(request)
+            hits, num_hit = self._lookup(request)
             self.hooks.after_hit(self, request, hits, num_hit)
             if num_hit:
                 self.last_hits = (request.request_id, hits, num_hit)
@@ -380,6 +386,14 @@ class Engine:
             report.scheduled[request.request_id] = n
             budget -= n
         return budget
+
+    def _lookup(self, request):
+        """The target's hit for ``request``. A target may add vLLM's third value (0.30.0 on), the
+        shared-prefix junction, which a scheduler stores on the request at every lookup for the
+        allocator's retention to read (``kvprop.allocator.retention``); none means 0."""
+        result = self.boundary.get_computed_blocks(request)
+        request.shared_prefix_boundary = result[2] if len(result) > 2 else 0
+        return result[0], result[1]
 
     def _note_admission_events(self, request, hits, num_hit, ext, n) -> None:
         if num_hit and request.num_preemptions:

@@ -38,6 +38,7 @@ class Request:
         "num_preemptions",
         "load_failed",
         "pending_external",
+        "shared_prefix_boundary",
         "registry",
     )
 
@@ -55,6 +56,7 @@ class Request:
         self.num_preemptions = 0
         self.load_failed = False
         self.pending_external = 0
+        self.shared_prefix_boundary = 0  # the junction of the lookup that admitted it (kvprop.allocator.retention)
         self.registry = registry
         self.extend_tokens(prompt)
 

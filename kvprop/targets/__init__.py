@@ -96,6 +96,11 @@ def build_engine(config, variant=None, target=None, device=None, hooks=None, can
     if variant not in (None, "correct"):
         raise ConfigError(f"variant {variant!r} applies to the kvprop target only, not to target {target!r}")
     allocator, view = check_built(target, load_factory(target)(config.allocator))
+    if config.allocator.enable_kv_cache_events and not hasattr(allocator, "take_events"):
+        raise ConfigError(
+            f"target {target!r}: the configuration enables KV cache events, but the allocator has no "
+            f"take_events() (docs/targets.md); it can run only with enable_kv_cache_events=False"
+        )
     engine_cls = getattr(allocator, "engine_class", Engine)
     if canary:
         engine_cls = with_canary(engine_cls)

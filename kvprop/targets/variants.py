@@ -17,6 +17,7 @@ from kvprop.allocator.managers import (
     SingleTypeManager,
     SlidingWindowManager,
 )
+from kvprop.allocator.retention import kept_block_mask, resume_boundaries
 from kvprop.allocator.specs import FullAttention, SlidingWindow
 from kvprop.errors import ConfigError
 from kvprop.sim.engine import Engine
@@ -160,6 +161,27 @@ class FreeKeepsCachedCount(SingleTypeManager):
             self.num_cached_block[request_id] = kept
 
 
+class EvictionUnannouncedPool(BlockPool):
+    """Reusing a cached block drops its key without a removed event, so a router replaying the
+    events keeps sending requests to a prefix that is gone."""
+
+    def _evict(self, block):
+        events, self.events = self.events, None
+        try:
+            super()._evict(block)
+        finally:
+            self.events = events
+
+
+class RetentionTailShort(SlidingWindowManager):
+    """Sizes each retained tail for a window one block shorter, so the first block a hit at a
+    resume boundary needs goes unhashed (docs/design.md §8.3)."""
+
+    def kept_mask(self, request, start, end):
+        spec = attrs.evolve(self.spec, window=max(1, self.spec.window - self.block_size))
+        return kept_block_mask(spec, self.retention_interval, resume_boundaries(request), start, end)
+
+
 class AcceptsNegativeExternal(KVCacheManager):
     """Stops validating the external-token count: a negative one is taken as given."""
 
@@ -218,6 +240,16 @@ VARIANTS = {
             "hit-stops-early",
             "the full-attention hit stops one block short of what the cache holds",
             parts=Parts(managers={**MANAGER_FOR_SPEC, FullAttention: HitStopsEarly}),
+        ),
+        Variant(
+            "eviction-unannounced",
+            "evicting a cached block emits no KV cache removed event",
+            parts=Parts(pool=EvictionUnannouncedPool),
+        ),
+        Variant(
+            "retention-tail-short",
+            "prefix-cache retention leaves the first block of each retained sliding-window tail unhashed",
+            parts=Parts(managers={**MANAGER_FOR_SPEC, SlidingWindow: RetentionTailShort}),
         ),
         Variant(
             "accepts-negative-external",

@@ -21,12 +21,15 @@ environment with ``make vllm-env VLLM_VERSION=0.24.0`` (``scripts/vllm-env.sh``)
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import inspect
 import logging
 import os
 import warnings
 from types import SimpleNamespace
 
+from kvprop.allocator.events import Cleared, Removed, Stored
 from kvprop.allocator.specs import AllocatorConfig, ChunkedLocal, FullAttention, SlidingWindow
 from kvprop.errors import ConfigError
 
@@ -157,6 +160,47 @@ def vllm_specs(config: AllocatorConfig, v) -> list:
     return specs
 
 
+RETENTION_ENV = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
+
+
+def _retention_setting(config: AllocatorConfig, v) -> dict:
+    """How this release is told ``config.retention_interval`` (docs/design.md §8.3):
+    ``{"field": {...}}`` for ``KVCacheConfig`` (0.30.0 on, where the engine's default is 0),
+    ``{"env": {...}}`` for the environment variable the coordinator reads when it is built
+    (0.23.0 to 0.25.1, unset by default), or nothing where the value changes nothing. A
+    release with no retention cannot thin a sliding window: ConfigError."""
+    interval = config.retention_interval
+    if "prefix_cache_retention_interval" in {f.name for f in dataclasses.fields(v.kvi.KVCacheConfig)}:
+        return {"field": {"prefix_cache_retention_interval": interval}}
+    has_window = any(isinstance(spec, SlidingWindow) for spec in config.groups)
+    if interval is None or not has_window:
+        # 0 without a sliding window thins nothing, and these releases refuse it set at all
+        return {}
+    from vllm import envs
+
+    if RETENTION_ENV in getattr(envs, "environment_variables", {}):
+        return {"env": {RETENTION_ENV: str(interval)}}
+    raise ConfigError(
+        f"target 'vllm': vLLM {v.version} has no prefix-cache retention (it caches every sliding-window "
+        f"block), so it cannot be asked for retention_interval={interval}; allowed: None"
+    )
+
+
+@contextlib.contextmanager
+def _environment(values: dict):
+    """``values`` set in os.environ while the manager is built, then the previous values back."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
 # ---- the allocator ----------------------------------------------------------------------
 
 
@@ -198,6 +242,7 @@ class VllmAllocator:
             scheduler_block_size=self.block_size,
             hash_block_size=self.block_size,
             enable_caching=config.enable_caching,
+            enable_kv_cache_events=config.enable_kv_cache_events,
         )
         params = _accepted(v.KVCacheManager.__init__)
         if len({spec.block_size for spec in config.groups}) == 1:
@@ -222,13 +267,17 @@ class VllmAllocator:
             raise ConfigError(
                 f"target 'vllm': vLLM {v.version}'s KVCacheManager needs {missing}, which kvprop cannot supply"
             )
+        retention = _retention_setting(config, v)
         try:
-            wanted["kv_cache_config"] = v.kvi.KVCacheConfig(
+            kv_cache_config = v.kvi.KVCacheConfig(
                 num_blocks=config.num_blocks,
                 kv_cache_tensors=[],
                 kv_cache_groups=[v.kvi.KVCacheGroupSpec([f"layer{g}"], s) for g, s in enumerate(vllm_specs(config, v))],
+                **retention.get("field", {}),
             )
-            self.manager = v.KVCacheManager(**_call_kwargs("KVCacheManager()", params, wanted))
+            wanted["kv_cache_config"] = kv_cache_config
+            with _environment(retention.get("env", {})):
+                self.manager = v.KVCacheManager(**_call_kwargs("KVCacheManager()", params, wanted))
         except ConfigError:
             raise
         except (AssertionError, ValueError, TypeError, NotImplementedError) as e:
@@ -240,6 +289,7 @@ class VllmAllocator:
         self._allocate_params = _accepted(v.KVCacheManager.allocate_slots)
         self.requests: dict = {}  # kvprop request id -> vLLM Request
         self.hash_names: dict = {}  # vLLM block hash (bytes) -> kvprop block hash
+        self.event_names: dict = {}  # the hash as KV cache events publish it -> kvprop block hash
         self._named: dict = {}  # request id -> how many of its block hashes are in hash_names
         self.num_evictions = 0
 
@@ -262,6 +312,8 @@ class VllmAllocator:
         if grown:
             vreq.append_output_token_ids(list(grown))
         vreq.num_computed_tokens = request.num_computed_tokens
+        if hasattr(vreq, "shared_prefix_boundary"):  # 0.30.0 on: the scheduler's copy of the junction
+            vreq.shared_prefix_boundary = request.shared_prefix_boundary
         self._name_hashes(rid, vreq.block_hashes, request.block_hashes)
         return vreq
 
@@ -270,6 +322,8 @@ class VllmAllocator:
         done = self._named[rid]
         end = min(len(vllm_hashes), len(kvprop_hashes))
         for i in range(done, end):
+            if self.config.enable_kv_cache_events:
+                self.event_names[self.v.kvu.maybe_convert_block_hash(vllm_hashes[i])] = kvprop_hashes[i]
             known = self.hash_names.setdefault(vllm_hashes[i], kvprop_hashes[i])
             if known != kvprop_hashes[i]:
                 raise AssertionError(
@@ -282,7 +336,8 @@ class VllmAllocator:
 
     def get_computed_blocks(self, request):
         result = self.manager.get_computed_blocks(self.vllm_request(request))
-        return Hits(result[0]), result[1]  # later releases may add values after these two
+        # 0.30.0 on adds the shared-prefix junction; releases before have none (0)
+        return Hits(result[0]), result[1], result[2] if len(result) > 2 else 0
 
     def allocate_slots(self, request, num_new_tokens: int, **kwargs):
         vreq = self.vllm_request(request)
@@ -311,6 +366,25 @@ class VllmAllocator:
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return tuple(list(ids) for ids in self.manager.get_block_ids(request_id))
+
+    def take_events(self) -> list:
+        """vLLM's KV cache events since the last call, in kvprop's terms: one event per key
+        (vLLM's stored event lists several hashes of one group). A hash never named stays
+        visibly foreign, as in the view."""
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        out = []
+        for event in self.manager.take_events():
+            if isinstance(event, AllBlocksCleared):
+                out.append(Cleared())
+                continue
+            kind = Stored if isinstance(event, BlockStored) else Removed if isinstance(event, BlockRemoved) else None
+            if kind is None:
+                raise TypeError(f"an unknown KV cache event from vLLM {self.v.version}: {event!r}")
+            for published in event.block_hashes:
+                name = self.event_names.get(published, f"vllm:{published}")
+                out.append(kind((name, event.group_idx)))
+        return out
 
 
 # ---- the view ---------------------------------------------------------------------------

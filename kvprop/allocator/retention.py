@@ -1,0 +1,40 @@
+"""Prefix-cache retention: which sliding-window blocks are worth a hash.
+
+A sliding-window hit ending at block boundary ``e`` needs the ``need`` blocks just before
+``e`` (``SlidingWindow.hit_blocks_needed``) and nothing earlier. vLLM (0.30.0 on, production
+default interval 0; ``SlidingWindowManager.reachable_block_mask``) hashes only blocks some
+retained hit end can use, and still counts the others as cached:
+
+- interval None: every block boundary is a retained end (dense, except a one-token window,
+  whose hits need no block at all);
+- interval 0: only the ends a later request is known to resume at — the last full block
+  boundary before the prompt's last token, and the shared-prefix junction the lookup that
+  admitted the request reported (``request.shared_prefix_boundary``);
+- interval I > 0: those, and every multiple of I.
+
+kvprop has one block size and no EAGLE drop, so vLLM's alignment unit is the block size
+and its EAGLE shift is 0.
+"""
+
+from __future__ import annotations
+
+
+def resume_boundaries(request) -> tuple[int, ...]:
+    """Token positions a later request replaying ``request``'s prompt may resume at: the
+    prompt's last token (``replay_boundaries`` in vLLM's coordinator) and, when the lookup
+    that admitted it found one, the shared-prefix junction."""
+    junction = getattr(request, "shared_prefix_boundary", 0)
+    return (request.num_prompt_tokens - 1, junction) if junction > 0 else (request.num_prompt_tokens - 1,)
+
+
+def kept_block_mask(spec, interval: int | None, boundaries, start: int, end: int) -> list[bool]:
+    """For block indices ``start..end-1`` of a sliding-window group: whether the block is hashed."""
+    bs, need = spec.block_size, spec.hit_blocks_needed
+    if interval is None:
+        return [need > 0] * (end - start)
+    per = interval // bs
+    tails = set()
+    for boundary in boundaries:
+        last = boundary // bs
+        tails.update(range(max(0, last - need), last))
+    return [i in tails or (per > 0 and (need >= per or i % per >= per - need)) for i in range(start, end)]

@@ -1,0 +1,52 @@
+"""13. Replaying the KV cache events reproduces the cache map.
+
+A router outside the engine (vLLM's KV events consumers) learns what the cache holds only
+from the events. After every drain, the keys it has seen stored and not removed since the
+last clear must be exactly the cache map's keys, counted per block: one key may name
+several blocks, and each was announced once. The ledger holds what a replaying router
+holds; a removal of a key it does not hold is wrong at once. Events carry keys, not block
+ids, so this checks key presence, not which block holds a key (invariant 4 does that).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from kvprop.allocator.events import Cleared, Removed, Stored
+from kvprop.errors import Violation
+
+
+class EventLedger:
+    """The cache map as a router replaying the events sees it: key -> number of blocks."""
+
+    def __init__(self):
+        self.counts: Counter = Counter()
+
+    def apply(self, events) -> None:
+        for event in events:
+            if isinstance(event, Stored):
+                self.counts[event.key] += 1
+            elif isinstance(event, Removed):
+                if self.counts[event.key] <= 0:
+                    del self.counts[event.key]
+                    raise Violation(
+                        "events-unknown-removal",
+                        f"a removed event for {event.key}, which the events replayed so far do not hold",
+                    )
+                self.counts[event.key] -= 1
+                if not self.counts[event.key]:
+                    del self.counts[event.key]
+            elif isinstance(event, Cleared):
+                self.counts.clear()
+            else:
+                raise TypeError(f"not a KV cache event: {event!r}")
+
+    def compare(self, view) -> None:
+        actual = Counter(key for key, _ in view.cache_map_items())
+        if actual != self.counts:
+            key = next(k for k in actual.keys() | self.counts.keys() if actual[k] != self.counts[k])
+            raise Violation(
+                "events-diverge",
+                f"replaying the KV cache events gives {self.counts[key]} block(s) under {key}, "
+                f"the cache map holds {actual[key]}",
+            )

@@ -1,0 +1,101 @@
+"""Step-for-step agreement: kvprop's own allocator and another target, driven alike.
+
+kvprop's allocator is the reference model of vLLM's. The invariants judge each target on its
+own; agreement checks the model itself: after every operation both sides must hold the same
+block ids in every table, the same cache key on every block, the same number of free
+blocks and the same KV cache events, in the same order. A disagreement is a modelling
+difference (a vLLM rule kvprop has not taken up, or one it models wrong), not by itself a
+bug of either side, so it is reported with both states.
+
+Malformed calls (``Misuse``) are left out: each target has its own caller contract. kvprop
+models the current vLLM (0.30.0 on); a release before it has no shared-prefix junction, so
+retention thins it differently: compare such a release with ``dense`` (retention None).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from kvprop.search.harness import Harness
+from kvprop.search.walk import plan
+
+
+@attrs.frozen
+class Disagreement:
+    seed: int
+    step: int  # index into the walk's operations, Misuse left out
+    operation: str
+    what: str  # which part differs: "outcome", "tables", "cache keys", "free blocks" or "events"
+    reference: str
+    target: str
+
+
+@attrs.frozen
+class Agreement:
+    walks: int = 0
+    steps: int = 0
+    refused: int = 0  # walks whose configuration the target cannot build
+    disagreement: Disagreement | None = None
+
+
+def snapshot(harness: Harness) -> dict:
+    engine = harness.engine
+    return {
+        "tables": {rid: engine.boundary.get_block_ids(rid) for rid in engine.requests},
+        "cache keys": engine.view.cache_keys(),
+        "free blocks": engine.view.num_free_blocks,
+        "events": engine.take_kv_events(),
+    }
+
+
+def _first_difference(a: dict, b: dict) -> tuple[str, str, str] | None:
+    for part in a:
+        if a[part] != b[part]:
+            if part == "cache keys":
+                blocks = [i for i, (x, y) in enumerate(zip(a[part], b[part])) if x != y]
+                return part, *(f"block {i}: {side[part][i]}" for side in (a, b) for i in blocks[:1])
+            if part == "tables":
+                rid = next(r for r in a[part] if a[part][r] != b[part].get(r))
+                return part, f"{rid}: {a[part][rid]}", f"{rid}: {b[part].get(rid)}"
+            return part, str(a[part]), str(b[part])
+    return None
+
+
+def agree_walk(seed: int, target: str, max_ops: int = 200, dense: bool = False) -> tuple[int, Disagreement | None]:
+    """Steps run and the first disagreement of walk ``seed`` between kvprop and ``target``
+    (checks off on both sides: the invariants are not what is compared here)."""
+    trace = plan(seed, max_ops)
+    if dense:
+        allocator = attrs.evolve(trace.config.allocator, retention_interval=None)
+        trace = attrs.evolve(trace, config=attrs.evolve(trace.config, allocator=allocator))
+    reference = Harness(trace.config, checks=False)
+    other = Harness(trace.config, target=target, checks=False)
+    steps = [op for op in trace.steps if type(op).__name__ != "Misuse"]
+    for i, op in enumerate(steps):
+        said = reference.apply(op), other.apply(op)
+        if said[0] != said[1]:
+            return i + 1, Disagreement(seed, i, repr(op), "outcome", *said)
+        diff = _first_difference(snapshot(reference), snapshot(other))
+        if diff is not None:
+            return i + 1, Disagreement(seed, i, repr(op), *diff)
+    return len(steps), None
+
+
+def agree(target: str, seeds, max_ops: int = 200, dense: bool = False, progress=None) -> Agreement:
+    """Walk ``seeds`` on both sides until the first disagreement. A configuration the target
+    refuses (ConfigError from its factory) is counted, not compared."""
+    from kvprop.errors import ConfigError
+
+    result = Agreement()
+    for seed in seeds:
+        try:
+            steps, disagreement = agree_walk(seed, target, max_ops, dense)
+        except ConfigError:
+            result = attrs.evolve(result, refused=result.refused + 1)
+            continue
+        result = attrs.evolve(result, walks=result.walks + 1, steps=result.steps + steps, disagreement=disagreement)
+        if progress is not None:
+            progress(result)
+        if disagreement is not None:
+            break
+    return result
