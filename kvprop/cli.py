@@ -158,7 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--seed", type=seed, default=0, help="the first walk's seed; walks take consecutive seeds")
     ag.add_argument("--max-ops", type=operations, default=200, help="operations per walk")
     ag.add_argument(
-        "--dense", action="store_true", help="retention off in every walk (vLLM before 0.30.0 has no junction)"
+        "--no-junction",
+        action="store_true",
+        help="for a target without the shared-prefix junction (vLLM before 0.30.0): no retention, no state group",
     )
     ag.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -404,7 +404,8 @@ def cmd_agree(args) -> int:
     if args.target == "kvprop":
         raise ConfigError("agree compares kvprop's allocator with another target: give --target vllm or pkg.mod:f")
     _say(args, f"kvprop {__version__} agree: kvprop vs {args.target}, walks {args.seed}..{args.seed + args.walks - 1}")
-    result = agree(args.target, range(args.seed, args.seed + args.walks), max_ops=args.max_ops, dense=args.dense)
+    seeds = range(args.seed, args.seed + args.walks)
+    result = agree(args.target, seeds, max_ops=args.max_ops, no_junction=args.no_junction)
     if result.walks == 0:
         raise ConfigError(f"target {args.target!r} refused all {result.refused} configurations: nothing compared")
     d = result.disagreement
@@ -417,7 +418,7 @@ def cmd_agree(args) -> int:
             f"DISAGREE at walk seed {d.seed}, operation {d.step} ({d.operation}), {d.what}:\n"
             f"  kvprop:  {d.reference}\n  {args.target}: {d.target}\n"
             f"reproduce: kvprop agree --target {args.target} --seed {d.seed} --walks 1"
-            + (" --dense" if args.dense else "")
+            + (" --no-junction" if args.no_junction else "")
         )
     return EXIT_CLEAN if d is None else EXIT_FOUND
 

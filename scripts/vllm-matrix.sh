@@ -4,7 +4,7 @@
 # For each vLLM release: build its environment (scripts/vllm-env.sh; kept if already
 # there), run kvprop's vLLM tests (pytest -m vllm tests/test_vllm_target.py), a fixed
 # walk budget (kvprop fuzz --target vllm --workers 1 --max-runs 300 --seconds 600 --seed 0),
-# the step-for-step agreement with kvprop's model (kvprop agree --walks 100; --dense before
+# the step-for-step agreement with kvprop's model (kvprop agree --walks 100; --no-junction before
 # 0.30.0, which has no junction) and the coverage of vLLM's KV core (kvprop coverage
 # --seconds $VLLM_MATRIX_COVERAGE_SECONDS, default 60), then print one row per release:
 #
@@ -63,8 +63,8 @@ for v in "$@"; do
   (cd "$log" && "$py" -m kvprop fuzz --target vllm --workers 1 --max-runs "$MAX_RUNS" \
     --seconds "$SECONDS_BUDGET" --seed 0 --json --out "$log/counterexamples") \
     >"$log/fuzz.json" 2>"$log/fuzz.log"
-  dense=$("$py" -c 'import vllm; from packaging.version import Version; print("--dense" if Version(vllm.__version__).release[:2] < (0, 30) else "")')
-  (cd "$log" && "$py" -m kvprop agree --target vllm --walks "$AGREE_WALKS" $dense --json) >"$log/agree.json" 2>"$log/agree.log"
+  legacy=$("$py" -c 'import vllm; from packaging.version import Version; print("--no-junction" if Version(vllm.__version__).release[:2] < (0, 30) else "")')
+  (cd "$log" && "$py" -m kvprop agree --target vllm --walks "$AGREE_WALKS" $legacy --json) >"$log/agree.json" 2>"$log/agree.log"
   (cd "$log" && "$py" -m kvprop coverage --target vllm --seconds "$COVERAGE_SECONDS" --json) \
     >"$log/coverage.json" 2>"$log/coverage.log"
   IFS='|' read -r steps verdict agree covered < <("$py" - "$log" <<'PYEOF'

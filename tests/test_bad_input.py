@@ -86,7 +86,7 @@ def test_chunk_not_a_multiple_of_block_size():
         ),
         (
             (FullAttention(2), "full"),
-            r"AllocatorConfig\.groups\[1\] must be one of FullAttention, SlidingWindow, ChunkedLocal, got 'full'",
+            r"AllocatorConfig\.groups\[1\] must be one of FullAttention, SlidingWindow, ChunkedLocal, Mamba, got 'full'",
         ),
     ],
 )

@@ -627,3 +627,38 @@ def test_a_removal_of_a_key_never_stored_is_events_unknown_removal():
 
 
 EXERCISED |= {"events-diverge", "events-unknown-removal"}
+
+
+# ---- state groups (7): the state a step continues from, and where it writes the next ------
+
+
+def _state_engine():
+    from kvprop.allocator.specs import Mamba
+
+    checker = Checker()
+    eng = engine([FullAttention(4), Mamba(4)], 24, hooks=checker, token_budget=4)
+    eng.add_request([1, 2, 3, 1, 2, 3, 1, 2, 3], 4)
+    eng.step()
+    checker.check_all(eng)
+    return eng, checker
+
+
+def test_a_state_overwritten_between_steps_is_state_source_mismatch():
+    eng, _ = _state_engine()
+    running = eng.boundary.get_block_ids("r0")[1][0]
+    eng.memory.write([running * 4], [12345])
+    with pytest.raises(Violation) as info:
+        eng.step()
+    assert info.value.kind == "state-source-mismatch"
+
+
+def test_a_state_written_into_the_null_block_is_state_write_unowned(monkeypatch):
+    eng, _ = _state_engine()
+    real = eng.allocator.get_block_ids
+    monkeypatch.setattr(eng.allocator, "get_block_ids", lambda rid: (real(rid)[0], [*real(rid)[1][:-1], 0]))
+    with pytest.raises(Violation) as info:
+        eng.step()
+    assert info.value.kind == "state-write-unowned"
+
+
+EXERCISED |= {"state-source-mismatch", "state-write-unowned"}

@@ -42,7 +42,9 @@ def test_a_failing_case_prints_as_a_runnable_step_program():
     machine = machine_for("swa-skip-off-by-one")
     lines = []
     with with_reporter(lines.append), pytest.raises(Violation) as info:
-        run_state_machine_as_test(machine, settings=_settings(max_examples=300, phases=list(Phase)))
+        run_state_machine_as_test(
+            machine, settings=_settings(max_examples=300, phases=[p for p in Phase if p is not Phase.shrink])
+        )
     printed = "\n".join(lines + list(getattr(info.value, "__notes__", [])))
     program = printed[printed.index("state = ") :]
     program = program[: program.index("state.teardown()") + len("state.teardown()")]

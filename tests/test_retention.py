@@ -8,8 +8,8 @@ from helpers import allocator, prefill, req
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvprop.allocator.retention import kept_block_mask
-from kvprop.allocator.specs import AllocatorConfig, ChunkedLocal, FullAttention, SlidingWindow
+from kvprop.allocator.retention import kept_block_mask, kept_state_mask
+from kvprop.allocator.specs import AllocatorConfig, ChunkedLocal, FullAttention, Mamba, SlidingWindow
 from kvprop.check.retention import retained_indices
 from kvprop.errors import ConfigError
 
@@ -121,3 +121,21 @@ def test_retention_values_follow_vllms_rule(groups, interval, allowed):
         assert not allowed
     else:
         assert allowed
+
+
+@given(
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    per=st.one_of(st.none(), st.integers(0, 6)),
+    prompt=st.integers(1, 80),
+    junction_blocks=st.integers(0, 20),
+    n=st.integers(0, 30),
+)
+def test_the_state_groups_mask_is_the_checkers_contract(block_size, per, prompt, junction_blocks, n):
+    spec = Mamba(block_size)
+    interval = None if per is None else per * block_size
+    request = Prompt(prompt, junction_blocks * block_size)
+    boundaries = [prompt - 1] + [request.shared_prefix_boundary] * bool(junction_blocks)
+    mask = kept_state_mask(spec, interval, boundaries, 0, n)
+    retained = retained_indices(spec, interval, request, n)
+    expected = list(range(n)) if retained is None else sorted(retained)
+    assert [i for i in range(n) if mask is None or mask[i]] == expected

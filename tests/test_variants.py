@@ -14,7 +14,9 @@ from kvprop.search.machine import failure_trace, machine_for, trace_length
 from kvprop.targets.variants import VARIANTS
 
 BUDGET = 1000  # examples under the ci profile; each variant is found well inside it (see the README)
-MAX_SHRUNK = {"interleaved-external-alloc": 8}
+# The state machine's find of the motivating bug carries async loads (FinishLoad steps) that the
+# minimiser keeps: 12 steps in the CI run, against 5 for a walk's find.
+MAX_SHRUNK = {"interleaved-external-alloc": 16}
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -55,6 +57,8 @@ CAUGHT_WITHOUT_GUARDS = {
     "accepts-negative-external": "misuse-accepted",
     "retention-tail-short": "cached-block-lost-hash",
     "eviction-unannounced": "events-diverge",
+    "state-cached-early": "data-mismatch",
+    "state-retired-early": "null-in-attended-range",
 }
 
 

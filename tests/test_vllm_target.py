@@ -306,6 +306,6 @@ def test_the_retention_interval_reaches_vllms_coordinator(interval):
 def test_kvprop_and_vllm_agree_step_for_step():
     """The same walks on kvprop's allocator and on vLLM's leave the same tables, cache keys
     and free count after every operation (retention, junctions and windows included; before
-    0.30.0 vLLM has no junction, so its walks run dense)."""
-    result = agree("vllm", range(40), dense=RELEASE < (0, 30))
+    0.30.0 vLLM has no junction, so its walks run without retention and state groups)."""
+    result = agree("vllm", range(40), no_junction=RELEASE < (0, 30))
     assert (result.disagreement, result.walks) == (None, 40)

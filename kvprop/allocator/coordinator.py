@@ -8,8 +8,9 @@ group's pops can evict a block another group is about to claim as a hit.
 from __future__ import annotations
 
 from kvprop.allocator import guards
-from kvprop.allocator.block_pool import Block, BlockPool
-from kvprop.allocator.managers import MANAGER_FOR_SPEC, SingleTypeManager
+from kvprop.allocator.block_pool import BlockPool
+from kvprop.allocator.managers import SingleTypeManager
+from kvprop.allocator.registry import MANAGER_FOR_SPEC
 from kvprop.allocator.specs import AllocatorConfig, FullAttention
 
 
@@ -55,9 +56,19 @@ class KVCacheCoordinator:
         for manager in self.managers:
             manager.remove_skipped_blocks(request_id, num_computed_tokens)
 
-    def count_blocks_to_allocate(self, request_id, num_tokens, hits, total_computed_tokens) -> int:
+    @staticmethod
+    def _tokens(manager, num_tokens: int, num_tokens_main_model: int | None) -> int:
+        """Slots a group needs: a state group's drafts have no layers of it, so no lookahead
+        (``num_tokens_main_model`` None: the caller has no lookahead, the two are equal)."""
+        if num_tokens_main_model is None or not getattr(manager, "uses_main_model_tokens", False):
+            return num_tokens
+        return num_tokens_main_model
+
+    def count_blocks_to_allocate(self, request_id, num_tokens, hits, total_computed_tokens, num_tokens_main_model=None):
         return sum(
-            m.count_blocks_to_allocate(request_id, num_tokens, hits[g], total_computed_tokens)
+            m.count_blocks_to_allocate(
+                request_id, self._tokens(m, num_tokens, num_tokens_main_model), hits[g], total_computed_tokens
+            )
             for g, m in enumerate(self.managers)
         )
 
@@ -73,8 +84,15 @@ class KVCacheCoordinator:
             for manager in self.managers:
                 manager.allocate_external_computed_blocks(request_id, num_local, num_external)
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> tuple[list[Block], ...]:
-        return tuple(m.allocate_new_blocks(request_id, num_tokens) for m in self.managers)
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int | None = None):
+        return tuple(
+            m.allocate_new_blocks(request_id, self._tokens(m, num_tokens, num_tokens_main_model))
+            for m in self.managers
+        )
+
+    def new_step_starts(self) -> None:
+        for manager in self.managers:
+            getattr(manager, "new_step_starts", lambda: None)()
 
     def cache_blocks(self, request, num_tokens: int) -> None:
         for manager in self.managers:

@@ -6,7 +6,7 @@ import attrs
 
 from kvprop.allocator.block_pool import BlockPool
 from kvprop.allocator.coordinator import HybridCoordinator, KVCacheCoordinator, UnitaryCoordinator
-from kvprop.allocator.managers import MANAGER_FOR_SPEC
+from kvprop.allocator.registry import MANAGER_FOR_SPEC
 from kvprop.allocator.specs import AllocatorConfig
 from kvprop.errors import RequestError
 
@@ -86,14 +86,17 @@ class KVCacheManager:
         request_id = request.request_id
         num_local = request.num_computed_tokens + num_new_computed_tokens
         total_computed = num_local + num_external_computed_tokens
-        num_tokens_need_slot = total_computed + num_new_tokens + num_lookahead_tokens
+        num_tokens_main_model = total_computed + num_new_tokens
+        num_tokens_need_slot = num_tokens_main_model + num_lookahead_tokens
 
         self.coordinator.remove_skipped_blocks(request_id, total_computed)
-        needed = self.coordinator.count_blocks_to_allocate(request_id, num_tokens_need_slot, hits, total_computed)
+        needed = self.coordinator.count_blocks_to_allocate(
+            request_id, num_tokens_need_slot, hits, total_computed, num_tokens_main_model
+        )
         if needed > self.pool.num_free_blocks:
             return None
         self.coordinator.allocate_new_computed_blocks(request_id, hits, num_local, num_external_computed_tokens)
-        new_blocks = self.coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
+        new_blocks = self.coordinator.allocate_new_blocks(request_id, num_tokens_need_slot, num_tokens_main_model)
         if self.enable_caching and not delay_cache_blocks:
             self.coordinator.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         return new_blocks
@@ -145,6 +148,10 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
+
+    def new_step_starts(self) -> None:
+        """The scheduler starts a step: state cached in the last one is now computed (vLLM 0.33.0)."""
+        self.coordinator.new_step_starts()
 
     def take_events(self) -> list:
         """The KV cache events since the last call (``kvprop.allocator.events``); [] when off."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from kvprop.allocator import guards
 from kvprop.allocator.block_pool import Block, BlockPool
 from kvprop.allocator.retention import kept_block_mask, resume_boundaries
-from kvprop.allocator.specs import ChunkedLocal, FullAttention, SlidingWindow, cdiv
+from kvprop.allocator.specs import cdiv
 
 
 class SingleTypeManager:
@@ -173,9 +173,3 @@ class ChunkedLocalManager(SingleTypeManager):
             hits.append(block)
         return hits
 
-
-MANAGER_FOR_SPEC = {
-    FullAttention: FullAttentionManager,
-    SlidingWindow: SlidingWindowManager,
-    ChunkedLocal: ChunkedLocalManager,
-}

@@ -1,4 +1,4 @@
-"""Prefix-cache retention: which sliding-window blocks are worth a hash.
+"""Prefix-cache retention: which sliding-window and state blocks are worth a hash.
 
 A sliding-window hit ending at block boundary ``e`` needs the ``need`` blocks just before
 ``e`` (``SlidingWindow.hit_blocks_needed``) and nothing earlier. vLLM (0.30.0 on, production
@@ -38,3 +38,16 @@ def kept_block_mask(spec, interval: int | None, boundaries, start: int, end: int
         last = boundary // bs
         tails.update(range(max(0, last - need), last))
     return [i in tails or (per > 0 and (need >= per or i % per >= per - need)) for i in range(start, end)]
+
+
+def kept_state_mask(spec, interval: int | None, boundaries, start: int, end: int) -> list[bool] | None:
+    """For block indices ``start..end-1`` of a Mamba group: whether the state block is hashed.
+    A Mamba hit at boundary ``e`` needs exactly the one state block before ``e`` (vLLM's
+    ``MambaManager.reachable_block_mask``); None means every block."""
+    if interval is None:
+        return None
+    bs, per = spec.block_size, interval // spec.block_size
+    if interval > 0 and per <= 1:
+        return None
+    ends = {boundary // bs - 1 for boundary in boundaries}
+    return [i in ends or (per > 1 and (i + 1) % per == 0) for i in range(start, end)]

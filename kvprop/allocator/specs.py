@@ -92,7 +92,31 @@ class ChunkedLocal:
         return (num_computed_tokens // self.chunk) * self.chunk
 
 
-SPEC_TYPES = (FullAttention, SlidingWindow, ChunkedLocal)
+MAMBA_MODES = ("none", "align")
+
+
+def _check_mode(instance, attribute, value):
+    if value not in MAMBA_MODES:
+        raise ConfigError(f"Mamba.mode must be one of {list(MAMBA_MODES)}, got {value!r}")
+
+
+@attrs.frozen
+class Mamba:
+    """A state-space (Mamba / linear-attention) group: the state after the last computed token
+    is all a later token needs (vLLM's ``MambaSpec``, docs/design.md §2 "State-space groups").
+
+    ``mode`` is vLLM's ``mamba_cache_mode``: "align" with prefix caching (states are kept at
+    block boundaries and hashed there), "none" without (only the running state is kept)."""
+
+    block_size: int = attrs.field(validator=_block_size)
+    mode: str = attrs.field(default="align", validator=_check_mode)
+    kind = "mamba"
+
+    def skipped_tokens(self, num_computed_tokens: int) -> int:
+        return max(0, num_computed_tokens - 1)
+
+
+SPEC_TYPES = (FullAttention, SlidingWindow, ChunkedLocal, Mamba)
 
 
 def _check_groups(instance, attribute, groups):
@@ -103,7 +127,8 @@ def _check_groups(instance, attribute, groups):
     for i, spec in enumerate(groups):
         if not isinstance(spec, SPEC_TYPES):
             raise ConfigError(
-                f"AllocatorConfig.groups[{i}] must be one of FullAttention, SlidingWindow, ChunkedLocal, got {spec!r}"
+                f"AllocatorConfig.groups[{i}] must be one of FullAttention, SlidingWindow, ChunkedLocal, Mamba, "
+                f"got {spec!r}"
             )
     sizes = {spec.block_size for spec in groups}
     if len(sizes) != 1:
@@ -119,16 +144,16 @@ def _check_bool(instance, attribute, value):
 
 def _check_retention(instance, attribute, value):
     """vLLM's rule (``_validate_prefix_cache_retention_interval``, 0.30.0 on): None (dense) always;
-    a model with no sliding window accepts only 0 (retention thins nothing there); otherwise
+    a model with no sliding window or Mamba group accepts only 0 (retention thins nothing there); otherwise
     a non-negative multiple of the block size."""
     if value is None:
         return
     name = "AllocatorConfig.retention_interval"
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name} must be None or an integer, got {value!r}")
-    if not any(isinstance(spec, SlidingWindow) for spec in instance.groups):
+    if not any(isinstance(spec, (SlidingWindow, Mamba)) for spec in instance.groups):
         if value != 0:
-            raise ConfigError(f"{name} must be None or 0 without a sliding-window group, got {value}")
+            raise ConfigError(f"{name} must be None or 0 without a sliding-window or Mamba group, got {value}")
         return
     if value < 0 or value % instance.groups[0].block_size or value > MAX_TOKENS:
         raise ConfigError(
@@ -154,6 +179,15 @@ class AllocatorConfig:
     enable_kv_cache_events: bool = attrs.field(default=False, validator=_check_bool, kw_only=True)
 
     def __attrs_post_init__(self):
+        mode = "align" if self.enable_caching else "none"
+        for i, spec in enumerate(self.groups):
+            if isinstance(spec, Mamba) and spec.mode != mode:
+                # vLLM 0.33.0: MambaManager asserts "align" whenever prefix caching is on, and
+                # caching off forces "none" (MambaModelConfig.verify_and_update_config)
+                raise ConfigError(
+                    f"AllocatorConfig.groups[{i}]: a Mamba group's mode is {mode!r} with enable_caching="
+                    f"{self.enable_caching}, got {spec.mode!r}"
+                )
         if self.num_blocks * self.block_size > MAX_SLOTS:
             raise ConfigError(
                 f"AllocatorConfig: num_blocks x block_size must be <= {MAX_SLOTS:,} slots of paged memory, "
@@ -191,3 +225,10 @@ class EngineConfig:
     lookahead: int = attrs.field(default=0, validator=_int_at_least(0, 16))
     connector: str = attrs.field(default="off", validator=_check_connector)
     vocab: int = attrs.field(default=4, validator=_int_at_least(1))
+
+    def __attrs_post_init__(self):
+        if self.connector != "off" and any(isinstance(spec, Mamba) for spec in self.allocator.groups):
+            raise ConfigError(
+                "EngineConfig.connector must be 'off' with a Mamba group: loading and storing state "
+                "blocks is not modelled yet (docs/design.md §6)"
+            )

@@ -24,8 +24,9 @@ Verified, for every target, through its view and the engine's own records
 Not verified (details in ``docs/design.md``, "What is not checked"): decisions between the
 two capacity bounds, eviction order, calls outside a target's caller contract, a
 target's per-request state beyond its tables and cached counts, scheduler-level
-accounting of loads in flight, and the model's unmodelled shapes (state-space groups,
-speculative decoding, newer vLLM features).
+accounting of loads in flight, and the model's unmodelled shapes (state-space groups'
+drafts, checkpoints and partial hits, speculative decoding, the newer vLLM features
+docs/design.md §6 lists).
 
 May import ``kvprop.allocator``, ``kvprop.sim`` and ``kvprop.errors``.
 """

@@ -44,29 +44,47 @@ class Checker(Hooks):
         self.num_checks = 0
         self.expected_rows: dict = {}  # cache key -> what a block cached under it must hold
         self.ledger = EventLedger()
+        self.same_step_states: set = set()  # keys of state blocks cached in the current step
 
     def incremental(self, engine) -> bool:
         return self.full_every > 1 and hasattr(engine.view, "take_changes")
 
     # ---- in-step hooks ----------------------------------------------------------------
 
+    def step_starts(self, engine) -> None:
+        self.same_step_states = set()
+
     def before_allocation(self, engine, request, num_new_tokens: int, kwargs: dict):
         if not self.enabled:
             return None
         view = engine.view
+        rid, same_step = request.request_id, self.same_step_states
+        cached = {g: view.num_cached_blocks(g, rid) or 0 for g in engine.state_groups}
         if not self.incremental(engine):
-            before = inv.snapshot(view, request.request_id)
-            return decisions.capacity_bounds(engine, request, num_new_tokens, kwargs, before[3]), before
+            before = inv.snapshot(view, rid)
+            bounds = decisions.capacity_bounds(engine, request, num_new_tokens, kwargs, before[3], same_step)
+            return bounds, before, cached
         # Set aside what changed before this allocation, so that afterwards the pool reports
         # only what the allocation itself changed; both are judged after it.
         self.pending_changes |= view.take_changes()
-        tables = [view.request_block_ids(g, request.request_id) for g in range(view.num_groups)]
-        return decisions.capacity_bounds(engine, request, num_new_tokens, kwargs, tables), tables
+        tables = [view.request_block_ids(g, rid) for g in range(view.num_groups)]
+        return decisions.capacity_bounds(engine, request, num_new_tokens, kwargs, tables, same_step), tables, cached
+
+    def _note_cached_states(self, engine, request_id: str, cached_before: dict) -> None:
+        """The state blocks this allocation cached: a hit on one waits for the next step."""
+        view, null = engine.view, engine.view.null_block_id
+        for g, before in cached_before.items():
+            table = view.request_block_ids(g, request_id) or []
+            for block_id in table[before : view.num_cached_blocks(g, request_id) or 0]:
+                if block_id != null and view.cache_key(block_id) is not None:
+                    self.same_step_states.add(view.cache_key(block_id))
 
     def after_allocation(self, engine, request, token, result, computed: int) -> None:
         if not self.enabled:
             return
-        bounds, before = token
+        bounds, before, cached_before = token
+        if result is not None:
+            self._note_cached_states(engine, request.request_id, cached_before)
         if not self.incremental(engine):
             if result is None:
                 inv.check_refusal(engine.view, request.request_id, before)
@@ -115,6 +133,10 @@ class Checker(Hooks):
     def before_load_write(self, engine, request, block_ids) -> None:
         if self.enabled:
             moments.load_write_owned(engine.view, request, engine.boundary.get_block_ids(request.request_id), block_ids)
+
+    def before_state_write(self, engine, request, group: int, table, start: int, end: int) -> None:
+        if self.enabled:
+            moments.state_write(engine, engine.view, request, group, table, start, end)
 
     def before_write(self, engine, request, group: int, table, start: int, num_tokens: int) -> None:
         if self.enabled:

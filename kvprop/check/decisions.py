@@ -12,13 +12,16 @@ freed first). Between the two bounds either answer is the target's to choose.
 
 from __future__ import annotations
 
-from kvprop.allocator.specs import ChunkedLocal, SlidingWindow, cdiv
+from kvprop.allocator.specs import ChunkedLocal, Mamba, SlidingWindow, cdiv
 from kvprop.errors import Violation
 
 
-def capacity_bounds(engine, request, num_new_tokens: int, kwargs, tables) -> tuple[int, int, int, int]:
+def capacity_bounds(
+    engine, request, num_new_tokens: int, kwargs, tables, same_step_states=frozenset()
+) -> tuple[int, int, int, int]:
     """(generous need, conservative need, free blocks now, blocks the window's skipping frees);
-    ``tables`` are the request's block ids per group (None where it has none)."""
+    ``tables`` are the request's block ids per group (None where it has none);
+    ``same_step_states`` the keys of state blocks cached in the current step."""
     view = engine.view
     bs, null = view.block_size, view.null_block_id
     hits = kwargs.get("new_computed_blocks")
@@ -27,11 +30,17 @@ def capacity_bounds(engine, request, num_new_tokens: int, kwargs, tables) -> tup
         + kwargs.get("num_new_computed_tokens", 0)
         + kwargs.get("num_external_computed_tokens", 0)
     )
-    slots = computed + num_new_tokens + kwargs.get("num_lookahead_tokens", 0)
+    main = computed + num_new_tokens
+    slots = main + kwargs.get("num_lookahead_tokens", 0)
     generous = conservative = freed = 0
     for g, spec in enumerate(engine.specs):
         skipped = spec.skipped_tokens(computed) // bs
         table = tables[g]
+        if isinstance(spec, Mamba) and spec.mode == "align":
+            group_hits = hits[g] if hits is not None else ()
+            need, frees = _state_group_need(view, table, group_hits, main, computed, same_step_states)
+            generous, conservative, freed = generous + need[0], conservative + need[1], freed + frees
+            continue
         if table is not None:
             grow = max(0, cdiv(slots, bs) - len(table))
             generous, conservative = generous + grow, conservative + grow
@@ -45,6 +54,25 @@ def capacity_bounds(engine, request, num_new_tokens: int, kwargs, tables) -> tup
         generous += max(0, cdiv(slots, bs) - max(skipped, len(group_hits))) + sum(i >= skipped for i in evictable)
         conservative += max(0, cdiv(slots, bs) - len(group_hits)) + len(evictable)
     return generous, conservative, view.num_free_blocks, freed
+
+
+def _state_group_need(view, table, hits, main: int, computed: int, same_step) -> tuple[tuple[int, int], int]:
+    """((generous, conservative) blocks, blocks its retirement frees) for a state group in align
+    mode: at most one new block per allocation (the next running state), plus a hit block still
+    in the free queue; every real entry below the running state is released first. A hit whose
+    state the current step is still computing may be refused whatever the pool holds (its
+    conservative need is unbounded)."""
+    bs, null = view.block_size, view.null_block_id
+    ids = [b.block_id for b in hits]
+    have = len(table) if table is not None else len(ids)
+    grow = min(1, max(0, cdiv(main, bs) - have))
+    evictable = sum(1 for b in ids if b != null and view.ref_cnt(b) == 0)
+    running = cdiv(computed, bs) - 1
+    frees = sum(1 for b in (table or ())[: max(running, 0)] if b != null and view.ref_cnt(b) == 1)
+    conservative = grow + evictable
+    if ids and ids[-1] != null and view.cache_key(ids[-1]) in same_step:
+        conservative = view.num_blocks + 1
+    return (grow + evictable, conservative), frees
 
 
 def allocation_decision(request, bounds, accepted: bool) -> None:
@@ -70,6 +98,8 @@ def _group_hit(spec, cached, group: int, hashes, max_length: int) -> int:
     """Hit tokens group ``group`` allows within ``max_length`` tokens (kvprop's spec rules)."""
     bs = spec.block_size
     n = min(max_length // bs, len(hashes))
+    if isinstance(spec, Mamba):  # the rightmost cached state at a block boundary
+        return next(((i + 1) * bs for i in range(n - 1, -1, -1) if (hashes[i], group) in cached), 0)
     if isinstance(spec, SlidingWindow):
         need, run = spec.hit_blocks_needed, 0
         for i in range(n - 1, -1, -1):

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from kvprop.allocator.hashing import fingerprint
-from kvprop.allocator.specs import cdiv
+from kvprop.allocator.hashing import fingerprint, state_fingerprint
+from kvprop.allocator.specs import Mamba, cdiv
 from kvprop.check.retention import retained_indices
 from kvprop.errors import Violation
 from kvprop.sim.memory import UNWRITTEN
@@ -275,12 +275,17 @@ def check_tables(
                     groups=[g],
                 )
             skipped_blocks = spec.skipped_tokens(computed) // bs
-            if null in table[skipped_blocks:]:
-                i = table.index(null, skipped_blocks)
+            nulls = [i for i in _needed_entries(spec, table, skipped_blocks, computed) if table[i] == null]
+            if nulls:
+                i = nulls[0]
                 raise Violation(
                     "null-in-attended-range",
                     f"{rid!r} group {g} has the null block at index {i}, but with {computed} computed tokens "
-                    f"only the first {skipped_blocks} blocks may be skipped",
+                    + (
+                        f"index {i} must hold the running state or the block the step computes into"
+                        if isinstance(spec, Mamba)
+                        else f"only the first {skipped_blocks} blocks may be skipped"
+                    ),
                     requests=[rid],
                     groups=[g],
                 )
@@ -313,6 +318,16 @@ def check_tables(
                     )
 
 
+def _needed_entries(spec, table, skipped_blocks: int, computed: int):
+    """Table indices that must hold a real block: every one the attention type does not skip;
+    for a state group only the running state (after ``computed`` tokens) and the last entry,
+    the block the scheduled chunk computes into (the entries between are null until then)."""
+    if not isinstance(spec, Mamba):
+        return range(skipped_blocks, len(table))
+    running = [cdiv(computed, spec.block_size) - 1] if computed > 0 else []
+    return sorted({i for i in [*running, len(table) - 1] if 0 <= i < len(table)})
+
+
 # ---- 7. data ------------------------------------------------------------------------------
 
 
@@ -325,8 +340,15 @@ def check_data(engine, view, tables, keys, memo: dict) -> None:
         if request.status is not Status.RUNNING:
             continue
         computed, prefix = request.num_computed_tokens, request.prefix
-        for g in range(view.num_groups):
+        for g, spec in enumerate(engine.specs):
             table = tables[(rid, g)]
+            if isinstance(spec, Mamba):
+                if computed > 0:  # the running state: after exactly the computed tokens
+                    block_id = table[cdiv(computed, bs) - 1]
+                    slots.append(block_id * bs)
+                    expected.append(state_fingerprint(g, computed, prefix))
+                    origin.append((rid, g, computed, block_id))
+                continue
             for p in range(computed):
                 block_id = table[p // bs]
                 if block_id == null:
@@ -363,7 +385,10 @@ def expected_cached_row(engine, key, memo: dict):
             return None
         index, prefix = known
         start = index * engine.block_size
-        row = memo[key] = (start, [fingerprint(key[1], start + j, h) for j, h in enumerate(prefix)])
+        if isinstance(engine.specs[key[1]], Mamba):  # the state after the block's last token, in slot 0
+            row = memo[key] = (start, [fingerprint(key[1], -(start + len(prefix)), prefix[-1])])
+        else:
+            row = memo[key] = (start, [fingerprint(key[1], start + j, h) for j, h in enumerate(prefix)])
     return row
 
 
@@ -376,9 +401,9 @@ def _expect_cached_and_null(engine, view, cached, slots, expected, origin, memo)
         if rows is None:
             continue
         start, row = rows
-        slots.extend(range(block_id * bs, block_id * bs + bs))
+        slots.extend(range(block_id * bs, block_id * bs + len(row)))
         expected.extend(row)
-        origin.extend((f"cached{key}", key[1], start + j, block_id) for j in range(bs))
+        origin.extend((f"cached{key}", key[1], start + j, block_id) for j in range(len(row)))
     slots.extend(range(null * bs, null * bs + bs))
     expected.extend([UNWRITTEN] * bs)
     origin.extend(("null block", -1, j, null) for j in range(bs))

@@ -46,6 +46,8 @@ KINDS = {
         Kind("data-mismatch", 7, "every computed position and cached block reads back its fingerprint"),
         Kind("write-to-null-block", 7, "nothing is computed into the null block"),
         Kind("write-to-shared-block", 7, "a block being computed into is the writer's alone (or its own cached block)"),
+        Kind("state-write-unowned", 7, "a state group writes its next state into a block the request owns alone"),
+        Kind("state-source-mismatch", 7, "a state group continues from its own state after the computed tokens"),
         Kind("connector-handoff", 7, "blocks handed to the connector are exclusively owned and uncached"),
         Kind("connector-write-unowned", 7, "a completing load writes only blocks its request still owns alone"),
         Kind("refusal-changed-table", 8, "a refused allocation leaves the request's tables as they were"),

@@ -5,6 +5,7 @@ calls (11) and what a free must leave behind (12). Each kind is raised by one fu
 
 from __future__ import annotations
 
+from kvprop.allocator.hashing import state_fingerprint
 from kvprop.allocator.specs import cdiv
 from kvprop.check.invariants import own_cache_key
 from kvprop.errors import Violation
@@ -157,3 +158,38 @@ def write_targets(view, request, group: int, table, start: int, num_tokens: int)
                 requests=[rid],
                 groups=[group],
             )
+
+
+def state_write(engine, view, request, group: int, table, start: int, end: int) -> None:
+    """7, for a state group: the step continues from the state after exactly ``start`` tokens of
+    this request's own prefix (a state of another prefix, or one token ahead, is the wrong
+    state: vLLM #51100), and writes the state after ``end`` into a block the request owns
+    alone (or that already carries its own key for exactly ``end`` tokens)."""
+    bs, null, rid = view.block_size, view.null_block_id, request.request_id
+    index = cdiv(end, bs) - 1
+    target = table[index] if index < len(table) else null
+    ref_cnt = view.ref_cnt(target) if target != null else 0
+    hashes = request.block_hashes
+    own = own_cache_key(hashes[index], group) if end % bs == 0 and index < len(hashes) else None
+    if target == null or (ref_cnt != 1 and (own is None or view.cache_key(target) != own)):
+        raise Violation(
+            "state-write-unowned",
+            f"{rid!r} state group {group} writes the state after {end} tokens into block {target} "
+            f"(index {index}, ref_cnt {ref_cnt}, key {view.cache_key(target) if target != null else None})",
+            blocks=[target],
+            requests=[rid],
+            groups=[group],
+        )
+    if start == 0:
+        return
+    source = table[cdiv(start, bs) - 1]
+    got = engine.memory.read([source * bs])[0] if source != null else None
+    if got != state_fingerprint(group, start, request.prefix):
+        raise Violation(
+            "state-source-mismatch",
+            f"{rid!r} state group {group} continues from block {source} (index {cdiv(start, bs) - 1}), which "
+            f"does not hold its state after {start} tokens",
+            blocks=[source],
+            requests=[rid],
+            groups=[group],
+        )

@@ -1,8 +1,8 @@
 """The retention contract: which counted-as-cached blocks may lack their hash.
 
-vLLM's contract (docs/design.md §8.3): a sliding-window block is worth a hash only if some
-hit the policy serves can use it. A hit ending at block boundary ``e`` uses the ``need``
-blocks before ``e``; the policy serves hits ending at
+vLLM's contract (docs/design.md §8.3): a sliding-window or state block is worth a hash only
+if some hit the policy serves can use it. A hit ending at block boundary ``e`` uses the
+``need`` blocks before ``e`` (one, for a state group); the policy serves hits ending at
 
 - every boundary (retention interval None),
 - the boundaries a later request is known to resume at: the block boundary at or below the
@@ -18,15 +18,19 @@ each other.
 
 from __future__ import annotations
 
-from kvprop.allocator.specs import SlidingWindow
+from kvprop.allocator.specs import Mamba, SlidingWindow
 
 
 def retained_indices(spec, interval: int | None, request, num_blocks: int):
     """Block indices below ``num_blocks`` that must carry their hash once counted as cached;
     None when every one must (no retention applies to ``spec``)."""
-    if not isinstance(spec, SlidingWindow):
+    if isinstance(spec, SlidingWindow):
+        need = spec.hit_blocks_needed
+    elif isinstance(spec, Mamba):
+        need = 1  # a state hit at a boundary needs exactly the state block before it
+    else:
         return None
-    bs, need = spec.block_size, spec.hit_blocks_needed
+    bs = spec.block_size
     if interval is None:
         return None if need > 0 else frozenset()
     ends = {(request.num_prompt_tokens - 1) // bs}

@@ -8,14 +8,16 @@ difference (a vLLM rule kvprop has not taken up, or one it models wrong), not by
 bug of either side, so it is reported with both states.
 
 Malformed calls (``Misuse``) are left out: each target has its own caller contract. kvprop
-models the current vLLM (0.30.0 on); a release before it has no shared-prefix junction, so
-retention thins it differently: compare such a release with ``dense`` (retention None).
+models the current vLLM (0.30.0 on). A release before it has no shared-prefix junction, so
+retention thins it differently and a state group's chunks stop elsewhere: compare such a
+release with ``no_junction``, where walks run with retention off and no state group.
 """
 
 from __future__ import annotations
 
 import attrs
 
+from kvprop.allocator.specs import FullAttention, Mamba
 from kvprop.search.harness import Harness
 from kvprop.search.walk import plan
 
@@ -61,13 +63,12 @@ def _first_difference(a: dict, b: dict) -> tuple[str, str, str] | None:
     return None
 
 
-def agree_walk(seed: int, target: str, max_ops: int = 200, dense: bool = False) -> tuple[int, Disagreement | None]:
-    """Steps run and the first disagreement of walk ``seed`` between kvprop and ``target``
+def agree_walk(seed: int, target: str, max_ops: int = 200, no_junction: bool = False):
+    """(steps run, the first disagreement) of walk ``seed`` between kvprop and ``target``
     (checks off on both sides: the invariants are not what is compared here)."""
     trace = plan(seed, max_ops)
-    if dense:
-        allocator = attrs.evolve(trace.config.allocator, retention_interval=None)
-        trace = attrs.evolve(trace, config=attrs.evolve(trace.config, allocator=allocator))
+    if no_junction:
+        trace = attrs.evolve(trace, config=_without_junction(trace.config))
     reference = Harness(trace.config, checks=False)
     other = Harness(trace.config, target=target, checks=False)
     steps = [op for op in trace.steps if type(op).__name__ != "Misuse"]
@@ -81,7 +82,15 @@ def agree_walk(seed: int, target: str, max_ops: int = 200, dense: bool = False) 
     return len(steps), None
 
 
-def agree(target: str, seeds, max_ops: int = 200, dense: bool = False, progress=None) -> Agreement:
+def _without_junction(config):
+    """``config`` where the junction changes nothing: dense retention, and a state group
+    replaced by full attention."""
+    groups = tuple(FullAttention(s.block_size) if isinstance(s, Mamba) else s for s in config.allocator.groups)
+    allocator = attrs.evolve(config.allocator, groups=groups, retention_interval=None)
+    return attrs.evolve(config, allocator=allocator)
+
+
+def agree(target: str, seeds, max_ops: int = 200, no_junction: bool = False, progress=None) -> Agreement:
     """Walk ``seeds`` on both sides until the first disagreement. A configuration the target
     refuses (ConfigError from its factory) is counted, not compared."""
     from kvprop.errors import ConfigError
@@ -89,7 +98,7 @@ def agree(target: str, seeds, max_ops: int = 200, dense: bool = False, progress=
     result = Agreement()
     for seed in seeds:
         try:
-            steps, disagreement = agree_walk(seed, target, max_ops, dense)
+            steps, disagreement = agree_walk(seed, target, max_ops, no_junction)
         except ConfigError:
             result = attrs.evolve(result, refused=result.refused + 1)
             continue

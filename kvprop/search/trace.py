@@ -12,7 +12,7 @@ from pathlib import Path
 import attrs
 
 from kvprop import __version__
-from kvprop.allocator.specs import AllocatorConfig, ChunkedLocal, EngineConfig, FullAttention, SlidingWindow
+from kvprop.allocator.specs import AllocatorConfig, ChunkedLocal, EngineConfig, FullAttention, Mamba, SlidingWindow
 from kvprop.errors import KvpropError, TargetCrash
 from kvprop.search import DRIVERS
 from kvprop.search.alphabet import OPERATION_BY_NAME
@@ -78,7 +78,12 @@ class Trace:
 
 # ---- JSON ---------------------------------------------------------------------------------
 
-SPEC_KINDS = {"full": FullAttention, "sliding_window": SlidingWindow, "chunked_local": ChunkedLocal}
+SPEC_KINDS = {
+    "full": FullAttention,
+    "sliding_window": SlidingWindow,
+    "chunked_local": ChunkedLocal,
+    "mamba": Mamba,
+}
 
 
 def config_to_dict(config: EngineConfig) -> dict:

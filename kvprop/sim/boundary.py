@@ -42,6 +42,9 @@ class Boundary:
     def reset_prefix_cache(self) -> bool:
         return self._cross("reset_prefix_cache")
 
+    def new_step_starts(self) -> None:
+        self._cross("new_step_starts")
+
     def take_events(self) -> list:
         return self._cross("take_events")
 

@@ -14,8 +14,8 @@ from collections import Counter, deque
 
 import attrs
 
-from kvprop.allocator.hashing import fingerprint
-from kvprop.allocator.specs import EngineConfig, cdiv
+from kvprop.allocator.hashing import fingerprint, state_fingerprint
+from kvprop.allocator.specs import EngineConfig, Mamba, cdiv
 from kvprop.errors import RequestError, TargetCrash
 from kvprop.sim.boundary import Boundary
 from kvprop.sim.connector import Connector
@@ -76,6 +76,13 @@ class Hooks:
     def before_write(self, engine, request, group: int, table, start: int, num_tokens: int) -> None:
         """``request`` is about to compute positions [start, start + num_tokens) of ``group`` into ``table``."""
 
+    def before_state_write(self, engine, request, group: int, table, start: int, end: int) -> None:
+        """``request`` is about to advance state group ``group`` from the state after ``start``
+        tokens to the one after ``end`` (the source and target blocks are in ``table``)."""
+
+    def step_starts(self, engine) -> None:
+        """A step begins: nothing of it has been allocated or computed yet."""
+
 
 @attrs.define
 class StepReport:
@@ -92,6 +99,8 @@ class Engine:
         self.boundary = Boundary(allocator)
         self.view = view
         self.specs = config.allocator.groups
+        self.state_groups = frozenset(g for g, spec in enumerate(self.specs) if isinstance(spec, Mamba))
+        self.state_aligned = any(self.specs[g].mode == "align" for g in self.state_groups)
         self.block_size = config.allocator.block_size
         self.memory = PagedMemory(config.allocator.num_blocks, self.block_size, device)
         self.hooks = hooks or Hooks()
@@ -321,11 +330,18 @@ class Engine:
     def step(self) -> StepReport:
         report = StepReport()
         evictions = getattr(self.view, "num_evictions", 0)
+        if hasattr(self.allocator, "new_step_starts"):
+            self.boundary.new_step_starts()
+        self.hooks.step_starts(self)
         budget = self.config.token_budget
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            start = request.num_computed_tokens
+            n = self._chunk(request, start, min(request.num_tokens - start, budget))
+            if n == 0:
+                i += 1
+                continue
             while self._allocate(request, n, num_lookahead_tokens=self.config.lookahead) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -354,7 +370,10 @@ class Engine:
             if self.connector is not None and not request.load_failed:
                 ext = self.connector.num_new_matched_tokens(request, num_hit)
             load_async = ext > 0 and self.connector.mode == "async"
-            n = 0 if load_async else min(request.num_tokens - num_hit - ext, budget)
+            remaining = min(request.num_tokens - num_hit - ext, budget)
+            n = 0 if load_async else self._chunk(request, num_hit + ext, remaining)
+            if n == 0 and not load_async:
+                break
             self._note_admission_events(request, hits, num_hit, ext, n)
             result = self._allocate(
                 request,
@@ -395,6 +414,33 @@ class Engine:
         request.shared_prefix_boundary = result[2] if len(result) > 2 else 0
         return result[0], result[1]
 
+    def _chunk(self, request, start: int, num_tokens: int) -> int:
+        """Tokens to compute from ``start``: ``num_tokens``, cut so that a prefill chunk of a state
+        group in align mode ends where a state may be cached (vLLM 0.33.0's
+        ``Scheduler._mamba_block_aligned_split``, without drafts or checkpoint columns): a
+        non-final chunk ends on a block boundary (unless that leaves nothing and a block is wider
+        than the step's budget), and no chunk runs past the next block boundary when it starts
+        inside a block, past the last block boundary before the request's last token, or past
+        the junction. 0 means the request is not scheduled in this step."""
+        if not self.state_aligned:
+            return num_tokens
+        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+        if start >= prefill_end:
+            return num_tokens
+        bs, end = self.block_size, start + num_tokens
+        if end < prefill_end:
+            aligned = end // bs * bs
+            if aligned > start or bs <= self.config.token_budget:
+                end = aligned
+        junction = request.shared_prefix_boundary
+        stops = (
+            (start // bs + 1) * bs if start % bs else 0,
+            max(0, (request.num_tokens - 1) // bs * bs),
+            start + (junction - start) // bs * bs if start < junction < end else 0,
+        )
+        end = min((s for s in stops if start < s < end), default=end)
+        return max(end - start, 0)
+
     def _note_admission_events(self, request, hits, num_hit, ext, n) -> None:
         if num_hit and request.num_preemptions:
             self.events[EV_REHIT] += 1
@@ -413,6 +459,13 @@ class Engine:
             start = request.num_computed_tokens
             tables = self.boundary.get_block_ids(rid)
             for g, table in enumerate(tables):
+                if g in self.state_groups:
+                    # one state block: the state after start + n tokens, from the one after start
+                    end = start + n
+                    self.hooks.before_state_write(self, request, g, table, start, end)
+                    slots.append(table[cdiv(end, bs) - 1] * bs)
+                    values.append(state_fingerprint(g, end, request.prefix))
+                    continue
                 self.hooks.before_write(self, request, g, table, start, n)
                 if self.connector is not None:
                     for index in range(start // bs, (start + n) // bs):

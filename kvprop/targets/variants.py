@@ -10,15 +10,16 @@ import attrs
 
 from kvprop.allocator.block_pool import BlockPool
 from kvprop.allocator.coordinator import HybridCoordinator, UnitaryCoordinator
+from kvprop.allocator.mamba import MambaManager
 from kvprop.allocator.manager import KVCacheManager, Parts
 from kvprop.allocator.managers import (
-    MANAGER_FOR_SPEC,
     FullAttentionManager,
     SingleTypeManager,
     SlidingWindowManager,
 )
+from kvprop.allocator.registry import MANAGER_FOR_SPEC
 from kvprop.allocator.retention import kept_block_mask, resume_boundaries
-from kvprop.allocator.specs import FullAttention, SlidingWindow
+from kvprop.allocator.specs import FullAttention, Mamba, SlidingWindow, cdiv
 from kvprop.errors import ConfigError
 from kvprop.sim.engine import Engine
 from kvprop.sim.request import Status
@@ -182,6 +183,29 @@ class RetentionTailShort(SlidingWindowManager):
         return kept_block_mask(spec, self.retention_interval, resume_boundaries(request), start, end)
 
 
+class StateCachedEarly(MambaManager):
+    """Caches a state block as soon as a chunk ends inside it, under the key of the block's
+    last token: the block promises a state its request has not reached yet."""
+
+    def cache_blocks(self, request, num_tokens):
+        bs = self.block_size
+        super().cache_blocks(request, min(cdiv(num_tokens, bs) * bs, len(request.block_hashes) * bs))
+
+
+class StateRetiredEarly(MambaManager):
+    """Releases the previous state block as soon as the next one is allocated, before the
+    step has continued from it (instead of at the next step's skip)."""
+
+    def allocate_new_blocks(self, request_id, num_tokens):
+        new = super().allocate_new_blocks(request_id, num_tokens)
+        previous = self.last_state_index.pop(request_id, None)
+        blocks = self.req_to_blocks[request_id]
+        if new and previous is not None and blocks[previous] is not self.null_block:
+            self.pool.free_blocks([blocks[previous]])
+            blocks[previous] = self.null_block
+        return new
+
+
 class AcceptsNegativeExternal(KVCacheManager):
     """Stops validating the external-token count: a negative one is taken as given."""
 
@@ -240,6 +264,16 @@ VARIANTS = {
             "hit-stops-early",
             "the full-attention hit stops one block short of what the cache holds",
             parts=Parts(managers={**MANAGER_FOR_SPEC, FullAttention: HitStopsEarly}),
+        ),
+        Variant(
+            "state-cached-early",
+            "a state block is cached under its block's last token before the request reaches it",
+            parts=Parts(managers={**MANAGER_FOR_SPEC, Mamba: StateCachedEarly}),
+        ),
+        Variant(
+            "state-retired-early",
+            "the previous state block is released before the step has continued from it",
+            parts=Parts(managers={**MANAGER_FOR_SPEC, Mamba: StateRetiredEarly}),
         ),
         Variant(
             "eviction-unannounced",

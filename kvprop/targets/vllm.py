@@ -30,7 +30,7 @@ import warnings
 from types import SimpleNamespace
 
 from kvprop.allocator.events import Cleared, Removed, Stored
-from kvprop.allocator.specs import AllocatorConfig, ChunkedLocal, FullAttention, SlidingWindow
+from kvprop.allocator.specs import AllocatorConfig, ChunkedLocal, FullAttention, Mamba, SlidingWindow
 from kvprop.errors import ConfigError
 
 INSTALL_HINT = (
@@ -155,6 +155,17 @@ def vllm_specs(config: AllocatorConfig, v) -> list:
             specs.append(v.kvi.SlidingWindowSpec(**common, sliding_window=spec.window))
         elif isinstance(spec, ChunkedLocal):
             specs.append(v.kvi.ChunkedLocalAttentionSpec(**common, attention_chunk_size=spec.chunk))
+        elif isinstance(spec, Mamba):
+            # one state tensor of 1 + g floats (its size only tells groups apart; the allocator
+            # never reads it); mamba_cache_mode is the spec's mode, as vLLM's model config sets it
+            specs.append(
+                v.kvi.MambaSpec(
+                    block_size=spec.block_size,
+                    shapes=((1 + g,),),
+                    dtypes=(v.torch.float32,),
+                    mamba_cache_mode=spec.mode,
+                )
+            )
         else:
             raise ConfigError(f"target 'vllm': no vLLM KV cache spec for group {g}: {spec!r}")
     return specs
@@ -363,6 +374,11 @@ class VllmAllocator:
 
     def reset_prefix_cache(self) -> bool:
         return bool(self.manager.reset_prefix_cache())
+
+    def new_step_starts(self) -> None:
+        """Every release from 0.22.1 has it: its Mamba managers forget which states were cached
+        in the last step (``Scheduler.schedule`` calls it first)."""
+        self.manager.new_step_starts()
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return tuple(list(ids) for ids in self.manager.get_block_ids(request_id))

@@ -1,0 +1,114 @@
+"""The state-space group's manager: a table of state blocks, not of token positions.
+
+A Mamba layer needs only the state after the last computed token. In "align" mode (vLLM
+0.33.0's ``MambaManager`` with prefix caching; docs/design.md §2 "State-space groups") the
+table is position-indexed like an attention table, but only one entry is live: index
+``cdiv(T, bs) - 1`` holds the running state after the ``T`` tokens scheduled so far. Every
+earlier entry is the null block, a retired state awaiting release, or a snapshot some hit
+brought in. A block cached under the key of its first ``(i + 1) * bs`` tokens promises the
+state after exactly those tokens, so the scheduler ends prefill chunks on block boundaries
+(``kvprop.sim.engine``) and the manager refuses, for the rest of the step, a hit whose
+state is only being computed in this step.
+
+Not modelled (docs/design.md §8.1): speculative state blocks, prefill checkpoint columns,
+hits inside a block (a hash unit smaller than a block) and their copy-on-write, and the
+connector. In "none" mode (no prefix caching) nothing is cached and the table keeps only
+the running state, like a one-token window.
+"""
+
+from __future__ import annotations
+
+from kvprop.allocator.block_pool import Block
+from kvprop.allocator.managers import SingleTypeManager
+from kvprop.allocator.retention import kept_state_mask, resume_boundaries
+from kvprop.allocator.specs import cdiv
+
+
+class MambaManager(SingleTypeManager):
+    def __init__(self, spec, pool, group_id, enable_caching, retention_interval=None):
+        super().__init__(spec, pool, group_id, enable_caching, retention_interval)
+        self.align = spec.mode == "align"
+        # In align mode lookahead slots are ignored: draft models have no Mamba layers, and
+        # lookahead tokens would break the alignment (vLLM's MambaManager; "none" counts them).
+        self.uses_main_model_tokens = self.align
+        self.last_state_index: dict[str, int] = {}  # the previous running state, freed once passed
+        self.num_retired: dict[str, int] = {}  # entries below this index were released already
+        self.allocated: set[str] = set()  # requests that took a block since admission
+        self.cached_this_step: set = set()  # keys whose state this step's forward pass computes
+
+    def new_step_starts(self) -> None:
+        self.cached_this_step.clear()
+
+    def find_longest_cache_hit(self, block_hashes: list[int], max_length: int) -> list[Block]:
+        """The rightmost cached state at a block boundary within ``max_length``: one block, nulls before."""
+        for i in range(min(max_length // self.block_size, len(block_hashes)) - 1, -1, -1):
+            block = self.pool.get_cached_block(block_hashes[i], self.group_id)
+            if block is not None:
+                return [self.null_block] * i + [block]
+        return []
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        if not self.align:
+            return super().remove_skipped_blocks(request_id, num_computed_tokens)
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        last = min(self.skipped_tokens(num_computed_tokens) // self.block_size, len(blocks))
+        first = self.num_retired.get(request_id, 0)
+        if first < last:
+            freed = []
+            for i in range(last - 1, first - 1, -1):
+                if blocks[i] is not self.null_block:
+                    freed.append(blocks[i])
+                    blocks[i] = self.null_block
+            self.pool.free_blocks(freed)
+            self.num_retired[request_id] = last
+        previous = self.last_state_index.get(request_id)
+        if previous is not None and previous < cdiv(num_computed_tokens, self.block_size) - 1:
+            if blocks[previous] is not self.null_block:
+                self.pool.free_blocks([blocks[previous]])
+                blocks[previous] = self.null_block
+
+    def count_blocks_to_allocate(self, request_id, num_tokens, hits, total_computed_tokens) -> int:
+        if not self.align:
+            return super().count_blocks_to_allocate(request_id, num_tokens, hits, total_computed_tokens)
+        if hits and hits[-1].key in self.cached_this_step:
+            # its state exists only once this step's forward pass has run: not this step
+            return self.pool.num_blocks + 1
+        table = self.req_to_blocks.get(request_id, ())
+        new = cdiv(num_tokens, self.block_size) - len(hits) - len(table)
+        evictable = sum(1 for b in hits if b.ref_cnt == 0 and not b.is_null)
+        return min(max(new, 0), 1) + evictable
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[Block]:
+        if not self.align:
+            return super().allocate_new_blocks(request_id, num_tokens)
+        table = self.req_to_blocks.setdefault(request_id, [])
+        required = cdiv(num_tokens, self.block_size)
+        if required <= len(table):
+            self.allocated.add(request_id)
+            return []
+        if table:  # the running state (or, on a first allocation, the hit) becomes the previous one
+            self.last_state_index[request_id] = len(table) - 1
+        table.extend([self.null_block] * (required - 1 - len(table)))
+        new = self.pool.get_new_blocks(1)
+        table.extend(new)
+        self.allocated.add(request_id)
+        return new
+
+    def kept_mask(self, request, start: int, end: int) -> list[bool] | None:
+        return kept_state_mask(self.spec, self.retention_interval, resume_boundaries(request), start, end)
+
+    def cache_blocks(self, request, num_tokens: int) -> None:
+        before = self.num_cached_block.get(request.request_id, 0)
+        super().cache_blocks(request, num_tokens)
+        table = self.req_to_blocks.get(request.request_id, ())
+        for block in table[before : self.num_cached_block.get(request.request_id, 0)]:
+            if block.key is not None and not block.is_null:
+                self.cached_this_step.add(block.key)
+
+    def free(self, request_id: str) -> None:
+        for state in (self.last_state_index, self.num_retired):
+            state.pop(request_id, None)
+        self.allocated.discard(request_id)
+        super().free(request_id)
