@@ -33,7 +33,6 @@ class MambaManager(SingleTypeManager):
         self.uses_main_model_tokens = self.align
         self.last_state_index: dict[str, int] = {}  # the previous running state, freed once passed
         self.num_retired: dict[str, int] = {}  # entries below this index were released already
-        self.allocated: set[str] = set()  # requests that took a block since admission
         self.cached_this_step: set = set()  # keys whose state this step's forward pass computes
 
     def new_step_starts(self) -> None:
@@ -86,14 +85,12 @@ class MambaManager(SingleTypeManager):
         table = self.req_to_blocks.setdefault(request_id, [])
         required = cdiv(num_tokens, self.block_size)
         if required <= len(table):
-            self.allocated.add(request_id)
             return []
         if table:  # the running state (or, on a first allocation, the hit) becomes the previous one
             self.last_state_index[request_id] = len(table) - 1
         table.extend([self.null_block] * (required - 1 - len(table)))
         new = self.pool.get_new_blocks(1)
         table.extend(new)
-        self.allocated.add(request_id)
         return new
 
     def kept_mask(self, request, start: int, end: int) -> list[bool] | None:
@@ -110,5 +107,4 @@ class MambaManager(SingleTypeManager):
     def free(self, request_id: str) -> None:
         for state in (self.last_state_index, self.num_retired):
             state.pop(request_id, None)
-        self.allocated.discard(request_id)
         super().free(request_id)

@@ -372,8 +372,8 @@ class Engine:
             load_async = ext > 0 and self.connector.mode == "async"
             remaining = min(request.num_tokens - num_hit - ext, budget)
             n = 0 if load_async else self._chunk(request, num_hit + ext, remaining)
-            if n == 0 and not load_async:
-                break
+            if n == 0 and remaining > 0 and not load_async:
+                break  # a state group's chunk cannot end anywhere in this step's budget
             self._note_admission_events(request, hits, num_hit, ext, n)
             result = self._allocate(
                 request,
