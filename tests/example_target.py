@@ -40,3 +40,10 @@ class _WithoutEvents:
 def make_target_without_events(config: AllocatorConfig):
     allocator = make_allocator(config)
     return _WithoutEvents(allocator), AllocatorView(allocator)
+
+
+def make_stale_map_target(config: AllocatorConfig):
+    """kvprop's allocator with a bug found within a few examples: eviction leaves the block in
+    the cache map (the ``evict-keeps-hash`` variant)."""
+    allocator = make_allocator(config, variant="evict-keeps-hash")
+    return allocator, AllocatorView(allocator)
