@@ -42,7 +42,9 @@ def pytest_file(path, variant):
 def found(tmp_path, driver):
     tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "cx"
-    r = kvprop_fuzz(tmp_path, out, f"--driver {driver} --variant {BUG} --seed 0 --max-runs 3000 --seconds 600")
+    # Seed 3 finds the bug within seconds with either driver; these tests check what the CLI
+    # does with a find, and kvprop bench measures how fast finds come.
+    r = kvprop_fuzz(tmp_path, out, f"--driver {driver} --variant {BUG} --seed 3 --max-runs 3000 --seconds 600")
     assert r.returncode == 1, r.stdout + r.stderr
     traces = sorted(p for p in out.glob("*.json") if not p.name.endswith(".found.json"))
     tests = sorted(out.glob("test_*.py"))

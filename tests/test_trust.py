@@ -34,7 +34,7 @@ from kvprop.search.trace import Failure
 from kvprop.search.walk import plan, walk_seed
 
 BUG = "interleaved-external-alloc"
-FIND = f"fuzz --variant {BUG} --seed 0 --max-runs 3000 --seconds 600 --workers 1"
+FIND = f"fuzz --variant {BUG} --seed 3 --max-runs 3000 --seconds 600 --workers 1"  # a find within seconds
 SEED5 = f"fuzz --variant {BUG} --seed 5 --workers 2 --max-runs 2000 --seconds 600"
 
 # ---- targets and files the commands use ---------------------------------------------------------
