@@ -303,6 +303,7 @@ def test_the_retention_interval_reaches_vllms_coordinator(interval):
     assert getattr(allocator.manager.coordinator, "retention_interval", None) == interval
 
 
+@needs_fix  # before 0.24.0 vLLM takes a hit's external blocks group by group, in its own order
 def test_kvprop_and_vllm_agree_step_for_step():
     """The same walks on kvprop's allocator and on vLLM's leave the same tables, cache keys
     and free count after every operation (retention, junctions and windows included; before
