@@ -183,9 +183,10 @@ def _retention_setting(config: AllocatorConfig, v) -> dict:
     interval = config.retention_interval
     if "prefix_cache_retention_interval" in {f.name for f in dataclasses.fields(v.kvi.KVCacheConfig)}:
         return {"field": {"prefix_cache_retention_interval": interval}}
-    has_window = any(isinstance(spec, SlidingWindow) for spec in config.groups)
-    if interval is None or not has_window:
-        # 0 without a sliding window thins nothing, and these releases refuse it set at all
+    thinned = any(isinstance(spec, (SlidingWindow, Mamba)) for spec in config.groups)
+    if interval is None or not thinned:
+        # 0 with no group to thin changes nothing, and these releases refuse it set at all
+        # (0.23.0 thins sliding windows only and refuses a state-only model itself)
         return {}
     from vllm import envs
 
@@ -193,7 +194,7 @@ def _retention_setting(config: AllocatorConfig, v) -> dict:
         return {"env": {RETENTION_ENV: str(interval)}}
     raise ConfigError(
         f"target 'vllm': vLLM {v.version} has no prefix-cache retention (it caches every sliding-window "
-        f"block), so it cannot be asked for retention_interval={interval}; allowed: None"
+        f"and state block), so it cannot be asked for retention_interval={interval}; allowed: None"
     )
 
 
