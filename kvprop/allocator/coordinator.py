@@ -60,7 +60,7 @@ class KVCacheCoordinator:
     def _tokens(manager, num_tokens: int, num_tokens_main_model: int | None) -> int:
         """Slots a group needs: a state group's drafts have no layers of it, so no lookahead
         (``num_tokens_main_model`` None: the caller has no lookahead, the two are equal)."""
-        if num_tokens_main_model is None or not getattr(manager, "uses_main_model_tokens", False):
+        if num_tokens_main_model is None or not manager.uses_main_model_tokens:
             return num_tokens
         return num_tokens_main_model
 
@@ -92,7 +92,7 @@ class KVCacheCoordinator:
 
     def new_step_starts(self) -> None:
         for manager in self.managers:
-            getattr(manager, "new_step_starts", lambda: None)()
+            manager.new_step_starts()
 
     def cache_blocks(self, request, num_tokens: int) -> None:
         for manager in self.managers:

@@ -19,6 +19,10 @@ class SingleTypeManager:
     signal the coordinator's fast path uses to tell an admitted request from a new one.
     """
 
+    # Whether the group's slots leave out lookahead tokens (a state group in align mode:
+    # draft models have none of its layers).
+    uses_main_model_tokens = False
+
     def __init__(self, spec, pool: BlockPool, group_id: int, enable_caching: bool, retention_interval=None):
         self.spec = spec
         self.retention_interval = retention_interval
@@ -96,8 +100,11 @@ class SingleTypeManager:
 
     def kept_mask(self, request, start: int, end: int) -> list[bool] | None:
         """Which of blocks ``start..end-1`` get a hash; None: all of them (retention thins
-        only sliding windows)."""
+        only sliding-window and state groups)."""
         return None
+
+    def new_step_starts(self) -> None:
+        """A scheduler step begins; only a state group remembers anything per step."""
 
     def cache_blocks(self, request, num_tokens: int) -> None:
         """Cache the blocks that ``num_tokens`` tokens fill, past those already cached. A block

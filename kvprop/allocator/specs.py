@@ -117,6 +117,7 @@ class Mamba:
 
 
 SPEC_TYPES = (FullAttention, SlidingWindow, ChunkedLocal, Mamba)
+THINNED_BY_RETENTION = (SlidingWindow, Mamba)  # the group kinds prefix-cache retention applies to
 
 
 def _check_groups(instance, attribute, groups):
@@ -151,7 +152,7 @@ def _check_retention(instance, attribute, value):
     name = "AllocatorConfig.retention_interval"
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name} must be None or an integer, got {value!r}")
-    if not any(isinstance(spec, (SlidingWindow, Mamba)) for spec in instance.groups):
+    if not any(isinstance(spec, THINNED_BY_RETENTION) for spec in instance.groups):
         if value != 0:
             raise ConfigError(f"{name} must be None or 0 without a sliding-window or Mamba group, got {value}")
         return
@@ -168,7 +169,7 @@ class AllocatorConfig:
 
     ``retention_interval`` is vLLM's prefix-cache retention (``CacheConfig.
     prefix_cache_retention_interval``, production default 0 since 0.30.0): which sliding-window
-    blocks are worth a hash (``kvprop.allocator.retention``). None caches every block.
+    and state blocks are worth a hash (``kvprop.allocator.retention``). None caches every block.
     ``enable_kv_cache_events`` queues the events a router outside the engine replays
     (``kvprop.allocator.events``)."""
 

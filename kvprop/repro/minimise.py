@@ -172,7 +172,7 @@ def _smaller(value: int, lo: int):
 
 def _with_allocator(config, **changes):
     """``config`` with those allocator fields changed; None where that is no valid allocator
-    (a retention interval left without a sliding window to thin)."""
+    (a retention interval left with no group to thin)."""
     try:
         return attrs.evolve(config, allocator=attrs.evolve(config.allocator, **changes))
     except ConfigError:

@@ -13,7 +13,15 @@ from typing import TYPE_CHECKING, ClassVar
 
 import attrs
 
-from kvprop.allocator.specs import AllocatorConfig, ChunkedLocal, EngineConfig, FullAttention, Mamba, SlidingWindow
+from kvprop.allocator.specs import (
+    THINNED_BY_RETENTION,
+    AllocatorConfig,
+    ChunkedLocal,
+    EngineConfig,
+    FullAttention,
+    Mamba,
+    SlidingWindow,
+)
 
 if TYPE_CHECKING:
     from kvprop.search.harness import Harness
@@ -76,7 +84,7 @@ def _retention(choose, groups, bs: int) -> int | None:
     """vLLM's production value (0, since 0.30.0) two times in five, dense (None, the default
     before) and two periodic intervals otherwise; it only matters with a sliding window or a
     state-space group."""
-    if not any(isinstance(spec, (SlidingWindow, Mamba)) for spec in groups):
+    if not any(isinstance(spec, THINNED_BY_RETENTION) for spec in groups):
         return 0
     return choose.pick((0, 0, None, bs, 2 * bs))
 

@@ -101,6 +101,7 @@ class Engine:
         self.specs = config.allocator.groups
         self.state_groups = frozenset(g for g, spec in enumerate(self.specs) if isinstance(spec, Mamba))
         self.state_aligned = any(self.specs[g].mode == "align" for g in self.state_groups)
+        self.tells_steps = hasattr(allocator, "new_step_starts")  # an optional facade call (docs/targets.md)
         self.block_size = config.allocator.block_size
         self.memory = PagedMemory(config.allocator.num_blocks, self.block_size, device)
         self.hooks = hooks or Hooks()
@@ -330,7 +331,7 @@ class Engine:
     def step(self) -> StepReport:
         report = StepReport()
         evictions = getattr(self.view, "num_evictions", 0)
-        if hasattr(self.allocator, "new_step_starts"):
+        if self.tells_steps:
             self.boundary.new_step_starts()
         self.hooks.step_starts(self)
         budget = self.config.token_budget
