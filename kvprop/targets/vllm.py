@@ -30,7 +30,14 @@ import warnings
 from types import SimpleNamespace
 
 from kvprop.allocator.events import Cleared, Removed, Stored
-from kvprop.allocator.specs import AllocatorConfig, ChunkedLocal, FullAttention, Mamba, SlidingWindow
+from kvprop.allocator.specs import (
+    THINNED_BY_RETENTION,
+    AllocatorConfig,
+    ChunkedLocal,
+    FullAttention,
+    Mamba,
+    SlidingWindow,
+)
 from kvprop.errors import ConfigError
 
 INSTALL_HINT = (
@@ -57,6 +64,7 @@ def _import_vllm() -> SimpleNamespace:
         try:
             import torch
             import vllm
+            from vllm.distributed import kv_events
             from vllm.sampling_params import SamplingParams
             from vllm.utils.hashing import sha256
             from vllm.v1 import kv_cache_interface
@@ -80,6 +88,7 @@ def _import_vllm() -> SimpleNamespace:
         sha256=sha256,
         kvi=kv_cache_interface,
         kvu=kv_cache_utils,
+        kv_events=kv_events,
         KVCacheBlocks=KVCacheBlocks,
         KVCacheManager=KVCacheManager,
         Request=Request,
@@ -183,7 +192,7 @@ def _retention_setting(config: AllocatorConfig, v) -> dict:
     interval = config.retention_interval
     if "prefix_cache_retention_interval" in {f.name for f in dataclasses.fields(v.kvi.KVCacheConfig)}:
         return {"field": {"prefix_cache_retention_interval": interval}}
-    thinned = any(isinstance(spec, (SlidingWindow, Mamba)) for spec in config.groups)
+    thinned = any(isinstance(spec, THINNED_BY_RETENTION) for spec in config.groups)
     if interval is None or not thinned:
         # 0 with no group to thin changes nothing, and these releases refuse it set at all
         # (0.23.0 thins sliding windows only and refuses a state-only model itself)
@@ -388,14 +397,14 @@ class VllmAllocator:
         """vLLM's KV cache events since the last call, in kvprop's terms: one event per key
         (vLLM's stored event lists several hashes of one group). A hash never named stays
         visibly foreign, as in the view."""
-        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-
+        ev = self.v.kv_events
+        kinds = ((ev.BlockStored, Stored), (ev.BlockRemoved, Removed))
         out = []
         for event in self.manager.take_events():
-            if isinstance(event, AllBlocksCleared):
+            if isinstance(event, ev.AllBlocksCleared):
                 out.append(Cleared())
                 continue
-            kind = Stored if isinstance(event, BlockStored) else Removed if isinstance(event, BlockRemoved) else None
+            kind = next((ours for theirs, ours in kinds if isinstance(event, theirs)), None)
             if kind is None:
                 raise TypeError(f"an unknown KV cache event from vLLM {self.v.version}: {event!r}")
             for published in event.block_hashes:
