@@ -144,20 +144,23 @@ def write_targets(view, request, group: int, table, start: int, num_tokens: int)
                 requests=[rid],
                 groups=[group],
             )
-        ref_cnt = view.ref_cnt(block_id)
-        if ref_cnt == 1:
-            continue
         own = own_cache_key(hashes[index], group) if index < len(hashes) else None
-        key = view.cache_key(block_id)
-        if ref_cnt < 1 or own is None or key != own:
+        if not writable(view, block_id, own):
             raise Violation(
                 "write-to-shared-block",
-                f"{rid!r} group {group} computes into block {block_id} (index {index}) with "
-                f"ref_cnt {ref_cnt} and cache key {key}, expected its own key {own}",
+                f"{rid!r} group {group} computes into block {block_id} (index {index}) with ref_cnt "
+                f"{view.ref_cnt(block_id)} and cache key {view.cache_key(block_id)}, expected its own key {own}",
                 blocks=[block_id],
                 requests=[rid],
                 groups=[group],
             )
+
+
+def writable(view, block_id: int, own) -> bool:
+    """A block a request may compute into: held by it alone, or cached under ``own``, the key
+    of exactly what it computes there (another request may hit it in the same step)."""
+    ref_cnt = view.ref_cnt(block_id)
+    return ref_cnt == 1 or (ref_cnt >= 1 and own is not None and view.cache_key(block_id) == own)
 
 
 def state_write(engine, view, request, group: int, table, start: int, end: int) -> None:
@@ -168,14 +171,13 @@ def state_write(engine, view, request, group: int, table, start: int, end: int) 
     bs, null, rid = view.block_size, view.null_block_id, request.request_id
     index = cdiv(end, bs) - 1
     target = table[index] if index < len(table) else null
-    ref_cnt = view.ref_cnt(target) if target != null else 0
     hashes = request.block_hashes
     own = own_cache_key(hashes[index], group) if end % bs == 0 and index < len(hashes) else None
-    if target == null or (ref_cnt != 1 and (own is None or view.cache_key(target) != own)):
+    if target == null or not writable(view, target, own):
         raise Violation(
             "state-write-unowned",
             f"{rid!r} state group {group} writes the state after {end} tokens into block {target} "
-            f"(index {index}, ref_cnt {ref_cnt}, key {view.cache_key(target) if target != null else None})",
+            f"(index {index}, ref_cnt {view.ref_cnt(target)}, key {view.cache_key(target)})",
             blocks=[target],
             requests=[rid],
             groups=[group],
