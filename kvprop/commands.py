@@ -403,11 +403,15 @@ def cmd_agree(args) -> int:
 
     if args.target == "kvprop":
         raise ConfigError("agree compares kvprop's allocator with another target: give --target vllm or pkg.mod:f")
+    _check_allocator(None, args.target)
     _say(args, f"kvprop {__version__} agree: kvprop vs {args.target}, walks {args.seed}..{args.seed + args.walks - 1}")
     seeds = range(args.seed, args.seed + args.walks)
     result = agree(args.target, seeds, max_ops=args.max_ops, no_junction=args.no_junction)
     if result.walks == 0:
-        raise ConfigError(f"target {args.target!r} refused all {result.refused} configurations: nothing compared")
+        raise ConfigError(
+            f"target {args.target!r} refused all {result.refused} configurations, nothing compared; "
+            f"first refusal: {result.first_refusal}"
+        )
     d = result.disagreement
     if args.json:
         print(json.dumps({**attrs.asdict(result), "agree": d is None}, indent=1))

@@ -143,3 +143,25 @@ def test_unknown_variant_exits_2_and_lists_the_known_ones(tmp_path):
 def test_missing_trace_file_exits_2(tmp_path):
     r = kvprop("replay", str(tmp_path / "nope.json"))
     assert r.returncode == 2 and "cannot read trace" in r.stderr
+
+
+# ---- agree --------------------------------------------------------------------------------
+
+
+def test_agree_with_a_target_that_wraps_kvprops_allocator_agrees():
+    r = kvprop("agree", "--target", "tests.example_target:make_target", "--walks", "5", "--json", cwd=ROOT)
+    summary = json.loads(r.stdout)
+    assert (r.returncode, summary["agree"], summary["walks"], summary["steps"] > 0) == (0, True, 5, True), r.stderr
+
+
+@pytest.mark.parametrize(
+    ("target", "says"),
+    [
+        ("nosuch:make", "target 'nosuch:make': cannot import 'nosuch'"),
+        ("kvprop", "agree compares kvprop's allocator with another target"),
+        ("tests.example_target:nosuch", "has no attribute 'nosuch'"),
+    ],
+)
+def test_agree_with_a_bad_target_exits_2_and_says_why(target, says):
+    r = kvprop("agree", "--target", target, "--walks", "2", cwd=ROOT)
+    assert (r.returncode, says in r.stderr, "Traceback" in r.stderr) == (2, True, False), r.stderr

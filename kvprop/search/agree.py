@@ -18,6 +18,7 @@ from __future__ import annotations
 import attrs
 
 from kvprop.allocator.specs import FullAttention, Mamba
+from kvprop.errors import ConfigError
 from kvprop.search.harness import Harness
 from kvprop.search.walk import plan
 
@@ -37,6 +38,7 @@ class Agreement:
     walks: int = 0
     steps: int = 0
     refused: int = 0  # walks whose configuration the target cannot build
+    first_refusal: str | None = None  # the target's reason, the first time it refused
     disagreement: Disagreement | None = None
 
 
@@ -93,14 +95,12 @@ def _without_junction(config):
 def agree(target: str, seeds, max_ops: int = 200, no_junction: bool = False, progress=None) -> Agreement:
     """Walk ``seeds`` on both sides until the first disagreement. A configuration the target
     refuses (ConfigError from its factory) is counted, not compared."""
-    from kvprop.errors import ConfigError
-
     result = Agreement()
     for seed in seeds:
         try:
             steps, disagreement = agree_walk(seed, target, max_ops, no_junction)
-        except ConfigError:
-            result = attrs.evolve(result, refused=result.refused + 1)
+        except ConfigError as e:
+            result = attrs.evolve(result, refused=result.refused + 1, first_refusal=result.first_refusal or str(e))
             continue
         result = attrs.evolve(result, walks=result.walks + 1, steps=result.steps + steps, disagreement=disagreement)
         if progress is not None:
