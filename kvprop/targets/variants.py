@@ -213,6 +213,11 @@ class AcceptsNegativeExternal(KVCacheManager):
         super().validate_allocation(request, num_new_tokens, num_hit, hits, num_lookahead, max(0, num_external))
 
 
+def _with_manager(spec_type: type, manager: type) -> Parts:
+    """The allocator's parts with ``manager`` serving ``spec_type``'s groups."""
+    return Parts(managers={**MANAGER_FOR_SPEC, spec_type: manager})
+
+
 @attrs.frozen
 class Variant:
     name: str
@@ -243,7 +248,7 @@ VARIANTS = {
         Variant(
             "swa-skip-off-by-one",
             "the sliding window skips one block too many",
-            parts=Parts(managers={**MANAGER_FOR_SPEC, SlidingWindow: SwaSkipOffByOne}),
+            parts=_with_manager(SlidingWindow, SwaSkipOffByOne),
         ),
         Variant(
             "hits-recached",
@@ -263,17 +268,17 @@ VARIANTS = {
         Variant(
             "hit-stops-early",
             "the full-attention hit stops one block short of what the cache holds",
-            parts=Parts(managers={**MANAGER_FOR_SPEC, FullAttention: HitStopsEarly}),
+            parts=_with_manager(FullAttention, HitStopsEarly),
         ),
         Variant(
             "state-cached-early",
             "a state block is cached under its block's last token before the request reaches it",
-            parts=Parts(managers={**MANAGER_FOR_SPEC, Mamba: StateCachedEarly}),
+            parts=_with_manager(Mamba, StateCachedEarly),
         ),
         Variant(
             "state-retired-early",
             "the previous state block is released before the step has continued from it",
-            parts=Parts(managers={**MANAGER_FOR_SPEC, Mamba: StateRetiredEarly}),
+            parts=_with_manager(Mamba, StateRetiredEarly),
         ),
         Variant(
             "eviction-unannounced",
@@ -283,7 +288,7 @@ VARIANTS = {
         Variant(
             "retention-tail-short",
             "prefix-cache retention leaves the first block of each retained sliding-window tail unhashed",
-            parts=Parts(managers={**MANAGER_FOR_SPEC, SlidingWindow: RetentionTailShort}),
+            parts=_with_manager(SlidingWindow, RetentionTailShort),
         ),
         Variant(
             "accepts-negative-external",
