@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections import Counter
 
 from kvprop.allocator.hashing import fingerprint
-from kvprop.allocator.specs import AllocatorConfig, EngineConfig
+from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow
+from kvprop.search.alphabet import AddLargeRequest, AddRequest
+from kvprop.search.trace import Trace
 from kvprop.sim.memory import PagedMemory
 from kvprop.sim.request import Request
 from kvprop.targets.kvprop import build_kvprop_engine, make_allocator
@@ -22,10 +24,6 @@ VOCAB = 1000
 def motivating_trace():
     """The motivating bug as a 4-operation trace (minimised by kvprop on vLLM 0.23.0, README):
     a fixed find for tests that need one, independent of what the sampler draws."""
-    from kvprop.allocator.specs import FullAttention, SlidingWindow
-    from kvprop.search.alphabet import AddLargeRequest, AddRequest
-    from kvprop.search.trace import Trace
-
     config = EngineConfig(
         AllocatorConfig((FullAttention(3), SlidingWindow(3, 4)), 18), token_budget=9, lookahead=0, connector="sync"
     )
