@@ -11,6 +11,7 @@ from kvprop.allocator.specs import (
     ChunkedLocal,
     EngineConfig,
     FullAttention,
+    Mamba,
     SlidingWindow,
 )
 from kvprop.errors import ConfigError, RequestError
@@ -46,6 +47,14 @@ OK_GROUPS = (FullAttention(4),)
             r"EngineConfig\.lookahead must be in \[0, 16\], got -1",
         ),
         (lambda: EngineConfig(AllocatorConfig(OK_GROUPS, 8), vocab=0), r"EngineConfig\.vocab must be >= 1, got 0"),
+        (
+            lambda: EngineConfig(AllocatorConfig(OK_GROUPS, 8), speculative_tokens=5),
+            r"EngineConfig\.speculative_tokens must be in \[0, 4\], got 5",
+        ),
+        (
+            lambda: EngineConfig(AllocatorConfig((Mamba(4, "none"),), 8, False), speculative_tokens=1),
+            r"EngineConfig\.speculative_tokens must be 0 with a Mamba group",
+        ),
     ],
 )
 def test_out_of_range_values(build, message):

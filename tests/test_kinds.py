@@ -11,6 +11,7 @@ from helpers import engine
 
 from kvprop.allocator.block_pool import Block
 from kvprop.allocator.specs import FullAttention, SlidingWindow
+from kvprop.check import moments
 from kvprop.check.checker import Checker, drain
 from kvprop.check.kinds import KINDS
 from kvprop.errors import Violation
@@ -662,3 +663,23 @@ def test_a_state_written_into_the_null_block_is_state_write_unowned(monkeypatch)
 
 
 EXERCISED |= {"state-source-mismatch", "state-write-unowned"}
+
+
+def test_an_allocation_that_cuts_a_table_is_table_rewritten():
+    """Invariant 14 (tables only grow), read from a real engine: a granted allocation may
+    append and null entries, never cut or replace one."""
+    eng, _ = _state_engine()
+    moments.tables_extended(eng.view, "r0", [[3, 4, 5]], [[0, 4, 5, 6]])
+    with pytest.raises(Violation) as info:
+        moments.tables_extended(eng.view, "r0", [[3, 4, 5]], [[3, 4]])
+    assert info.value.kind == "table-rewritten"
+
+
+def test_an_allocation_that_replaces_an_entry_is_table_rewritten():
+    eng, _ = _state_engine()
+    with pytest.raises(Violation) as info:
+        moments.tables_extended(eng.view, "r0", [[3, 4, 5]], [[3, 7, 5]])
+    assert info.value.kind == "table-rewritten"
+
+
+EXERCISED |= {"table-rewritten"}

@@ -49,6 +49,12 @@ def test_a_trace_written_before_retention_and_events_reads_as_dense_without_even
     assert (allocator.retention_interval, allocator.enable_kv_cache_events) == (None, False)
 
 
+def test_a_trace_written_before_drafts_reads_without_drafts():
+    data = tr.to_dict(plan(3))
+    del data["config"]["speculative_tokens"]
+    assert tr.from_dict(data).config.speculative_tokens == 0
+
+
 def test_a_retention_interval_of_the_wrong_type_is_refused():
     data = tr.to_dict(plan(3))
     data["config"]["retention_interval"] = "0"

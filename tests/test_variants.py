@@ -59,6 +59,8 @@ CAUGHT_WITHOUT_GUARDS = {
     "eviction-unannounced": "events-diverge",
     "state-cached-early": "data-mismatch",
     "state-retired-early": "null-in-attended-range",
+    "cache-past-computed": "data-mismatch",
+    "draft-slots-returned": "table-rewritten",
 }
 
 

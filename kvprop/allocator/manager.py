@@ -117,9 +117,10 @@ class KVCacheManager:
             if value < 0:
                 raise RequestError(f"allocate_slots: {name} must be >= 0, got {value}")
         total = request.num_computed_tokens + num_hit + num_external + num_new_tokens
-        if total > request.num_tokens:
+        if total > request.num_tokens_with_spec:
             raise RequestError(
-                f"allocate_slots: {request.request_id!r} has {request.num_tokens} tokens, but the call covers "
+                f"allocate_slots: {request.request_id!r} has {request.num_tokens_with_spec} tokens with its drafts, "
+                f"but the call covers "
                 f"{total} ({request.num_computed_tokens} computed + {num_hit} hit + {num_external} external + "
                 f"{num_new_tokens} new)"
             )

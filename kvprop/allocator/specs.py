@@ -205,6 +205,7 @@ class AllocatorConfig:
 
 
 CONNECTOR_MODES = ("off", "sync", "async")
+MAX_SPECULATIVE_TOKENS = 4  # MTP and EAGLE deployments propose 1 to 4 drafts
 
 
 def _check_connector(instance, attribute, value):
@@ -219,15 +220,24 @@ def _check_allocator(value):
 
 @attrs.frozen
 class EngineConfig:
-    """The scheduler around the allocator: token budget, lookahead, connector, token alphabet."""
+    """The scheduler around the allocator: token budget, lookahead, connector, token alphabet,
+    and ``speculative_tokens``: the draft tokens proposed after each sampled token and verified
+    in the next step (vLLM's ``num_speculative_tokens``, MTP/EAGLE/n-gram; docs/design.md §2
+    "Speculative decoding")."""
 
     allocator: AllocatorConfig = attrs.field(validator=lambda i, a, v: _check_allocator(v))
     token_budget: int = attrs.field(default=64, validator=_int_at_least(1))
     lookahead: int = attrs.field(default=0, validator=_int_at_least(0, 16))
     connector: str = attrs.field(default="off", validator=_check_connector)
     vocab: int = attrs.field(default=4, validator=_int_at_least(1))
+    speculative_tokens: int = attrs.field(default=0, kw_only=True, validator=_int_at_least(0, MAX_SPECULATIVE_TOKENS))
 
     def __attrs_post_init__(self):
+        if self.speculative_tokens and any(isinstance(spec, Mamba) for spec in self.allocator.groups):
+            raise ConfigError(
+                "EngineConfig.speculative_tokens must be 0 with a Mamba group: the speculative state "
+                "columns a verification pass writes are not modelled yet (docs/design.md §8.3)"
+            )
         if self.connector != "off" and any(isinstance(spec, Mamba) for spec in self.allocator.groups):
             raise ConfigError(
                 "EngineConfig.connector must be 'off' with a Mamba group: loading and storing state "

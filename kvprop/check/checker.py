@@ -85,6 +85,9 @@ class Checker(Hooks):
         bounds, before, cached_before = token
         if result is not None:
             self._note_cached_states(engine, request.request_id, cached_before)
+            view, rid = engine.view, request.request_id
+            tables_after = [view.request_block_ids(g, rid) for g in range(view.num_groups)]
+            moments.tables_extended(view, rid, before if self.incremental(engine) else before[3], tables_after)
         if not self.incremental(engine):
             if result is None:
                 inv.check_refusal(engine.view, request.request_id, before)

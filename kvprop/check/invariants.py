@@ -235,6 +235,7 @@ def check_tables(
     ``only`` restricts the per-table part to those request ids (the incremental checker
     passes the requests whose tables or progress changed)."""
     bs, null, lookahead = view.block_size, view.null_block_id, engine.config.lookahead
+    speculative = engine.config.speculative_tokens
     interval = engine.config.allocator.retention_interval
     requests = engine.requests
 
@@ -265,7 +266,8 @@ def check_tables(
                     requests=[rid],
                     groups=[g],
                 )
-            lo, hi = cdiv(computed, bs), cdiv(request.num_tokens + lookahead, bs)
+            # rejected drafts keep their slots: a table may reach the drafts of an earlier step
+            lo, hi = cdiv(computed, bs), cdiv(request.num_tokens + speculative + lookahead, bs)
             if not lo <= len(table) <= hi:
                 raise Violation(
                     "table-length",

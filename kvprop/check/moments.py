@@ -121,6 +121,34 @@ def load_write_owned(view, request, tables, block_ids) -> None:
             )
 
 
+def tables_extended(view, request_id: str, before, after) -> None:
+    """14. An allocation only extends an admitted request's tables: each entry it held keeps its
+    block or becomes the null block (a skipped or relocated block), and none is cut off. The
+    worker's copy of a table is append-only, sent as the new blocks of each step (vLLM's
+    ``Scheduler._make_cached_request_data``; the comment on ``MambaManager``'s copy-on-write
+    for a running request), so any other change leaves it computing into blocks the allocator
+    has given to someone else."""
+    null = view.null_block_id
+    for g, (old, new) in enumerate(zip(before, after)):
+        if not old or new is None:
+            continue
+        cut = len(new) < len(old)
+        moved = [i for i, (a, b) in enumerate(zip(old, new)) if a != b and b != null]
+        if cut or moved:
+            what = (
+                f"was cut from {len(old)} to {len(new)} blocks"
+                if cut
+                else f"has block {new[moved[0]]} at index {moved[0]} where it held block {old[moved[0]]}"
+            )
+            raise Violation(
+                "table-rewritten",
+                f"{request_id!r} group {g} {what}; an allocation may only append blocks or null skipped ones",
+                blocks=[old[i] for i in moved[:1]] or old[len(new) :],
+                requests=[request_id],
+                groups=[g],
+            )
+
+
 def write_targets(view, request, group: int, table, start: int, num_tokens: int) -> None:
     """6 and 7. Positions [start, start + num_tokens) have blocks; none is the null block; each is
     the writer's alone, unless it is a cached full block of the same prefix (another request may

@@ -74,6 +74,7 @@ class Minimiser:
             + 10 * len(a.groups)
             + trace.config.token_budget
             + trace.config.lookahead
+            + trace.config.speculative_tokens
         )
 
     def remove_steps(self) -> None:
@@ -201,6 +202,8 @@ def _simpler_configs(config):
         yield attrs.evolve(config, token_budget=budget)
     if config.lookahead:
         yield attrs.evolve(config, lookahead=0)
+    for k in _smaller(config.speculative_tokens, 0):
+        yield attrs.evolve(config, speculative_tokens=k)
     if config.connector == "async":
         yield attrs.evolve(config, connector="sync")
     if config.connector != "off":

@@ -65,6 +65,11 @@ def sample_config(choose) -> EngineConfig:
     # modelled yet), so the shapes with one are drawn as often as before.
     if connector == "off" and choose.integer(0, 1) == 0:
         groups[-1] = Mamba(bs, "align" if enable_caching else "none")
+    # Drafts in two shapes in five, 1 to 4 of them as MTP and EAGLE propose; none with a state
+    # group, whose speculative columns are not modelled yet.
+    speculative = choose.pick((0, 0, 0, 1, 2, 4))
+    if any(isinstance(g, Mamba) for g in groups):
+        speculative = 0
     return EngineConfig(
         allocator=AllocatorConfig(
             tuple(groups),
@@ -77,6 +82,7 @@ def sample_config(choose) -> EngineConfig:
         lookahead=lookahead,
         connector=connector,
         vocab=4,
+        speculative_tokens=speculative,
     )
 
 

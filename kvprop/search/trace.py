@@ -98,6 +98,7 @@ def config_to_dict(config: EngineConfig) -> dict:
         "lookahead": config.lookahead,
         "connector": config.connector,
         "vocab": config.vocab,
+        "speculative_tokens": config.speculative_tokens,
     }
 
 
@@ -142,6 +143,7 @@ CONFIG_FIELDS = (
     "lookahead",
     "connector",
     "vocab",
+    "speculative_tokens",
 )
 
 
@@ -176,6 +178,7 @@ def config_from_dict(d) -> EngineConfig:
             lookahead=_require(d, "lookahead", "config", int),
             connector=_require(d, "connector", "config", str),
             vocab=_require(d, "vocab", "config", int),
+            speculative_tokens=_optional(d, "speculative_tokens", 0, int),  # absent before drafts were modelled
         )
     except ConfigError as e:
         raise TraceError(f"config: {e}") from e

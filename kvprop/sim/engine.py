@@ -39,8 +39,11 @@ EVENTS = (
     "window skip",
     "async load failure",
     "abort during load",
+    "drafts all accepted",
+    "draft rejected",
 )
-(EV_CROSS_GROUP, EV_EVICT, EV_PREEMPT, EV_REHIT, EV_SKIP, EV_LOAD_FAIL, EV_ABORT_LOAD) = EVENTS
+(EV_CROSS_GROUP, EV_EVICT, EV_PREEMPT, EV_REHIT, EV_SKIP, EV_LOAD_FAIL, EV_ABORT_LOAD) = EVENTS[:7]
+EV_SPEC_ACCEPT, EV_SPEC_REJECT = EVENTS[7:]
 
 
 class Hooks:
@@ -203,6 +206,7 @@ class Engine:
     def _preempt(self, request: Request) -> None:
         self._free(request)
         request.num_computed_tokens = 0
+        request.drop_drafts()
         request.num_preemptions += 1
         request.status = Status.WAITING
         self.waiting.appendleft(request)
@@ -339,7 +343,7 @@ class Engine:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             start = request.num_computed_tokens
-            n = self._chunk(request, start, min(request.num_tokens - start, budget))
+            n = self._chunk(request, start, min(request.num_tokens_with_spec - start, budget))
             if n == 0:
                 i += 1
                 continue
@@ -473,21 +477,47 @@ class Engine:
                         key = self.view.cache_key(table[index])
                         if key is not None:
                             offload.append((key[0], g, table[index]))
-                prefix = request.prefix
-                for p in range(start, start + n):
+                prefixes = request.prefix[start : start + n]
+                if len(prefixes) < n:  # a verification pass: the drafts' positions too
+                    prefixes += request.spec_prefix[: n - len(prefixes)]
+                for p, prefix in zip(range(start, start + n), prefixes):
                     slots.append(table[p // bs] * bs + p % bs)
-                    values.append(fingerprint(g, p, prefix[p]))
+                    values.append(fingerprint(g, p, prefix))
         self.memory.write(slots, values)
         if self.connector is not None:
             self.connector.offload(offload)
         for rid, n in report.scheduled.items():
             request = self.requests[rid]
             request.num_computed_tokens += n
+            verified = bool(request.spec_token_ids) and request.num_computed_tokens >= request.num_tokens
+            if verified:
+                self._verify(request)
             if request.num_computed_tokens == request.num_tokens:
                 if request.num_output_tokens + 1 >= request.max_new_tokens:
                     self.running.remove(request)
                     self._free(request)
                     self._retire(request, Status.FINISHED)
                     report.finished.append(rid)
-                else:
-                    request.append_token(request.next_token())
+                    continue
+                request.append_token(request.next_token())
+                self._propose(request)
+                if verified and self.config.allocator.enable_caching:
+                    # vLLM 0.33.0's post-output caching: the blocks the accepted tokens filled
+                    self.boundary.cache_blocks(request, request.num_computed_tokens)
+
+    def _verify(self, request: Request) -> None:
+        """The verification pass of a decode step: accepted drafts become tokens and the computed
+        count steps back over the rejected ones, whose slots stay allocated for later steps to
+        overwrite (vLLM's ``Scheduler.update_from_output``)."""
+        drafts = request.num_computed_tokens - request.num_tokens
+        accepted = request.verify_drafts(drafts)
+        request.num_computed_tokens = request.num_tokens
+        self.events[EV_SPEC_REJECT if accepted < drafts else EV_SPEC_ACCEPT] += 1
+
+    def _propose(self, request: Request) -> None:
+        """Drafts for the next step, as many as the request may still emit after the token that
+        verifies them (so a step never appends past ``max_new_tokens``)."""
+        room = request.max_new_tokens - request.num_output_tokens - 1
+        k = min(self.config.speculative_tokens, room)
+        if k > 0:
+            request.propose_drafts(k)

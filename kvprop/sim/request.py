@@ -40,6 +40,8 @@ class Request:
         "pending_external",
         "shared_prefix_boundary",
         "registry",
+        "spec_token_ids",
+        "spec_prefix",
     )
 
     def __init__(self, request_id, prompt, max_new_tokens, block_size, vocab, registry=None):
@@ -58,6 +60,8 @@ class Request:
         self.pending_external = 0
         self.shared_prefix_boundary = 0  # the junction of the lookup that admitted it (kvprop.allocator.retention)
         self.registry = registry
+        self.spec_token_ids: list[int] = []  # drafts proposed after the last sampled token, unverified
+        self.spec_prefix: list[int] = []  # the rolling prefix hash through each draft
         self.extend_tokens(prompt)
 
     def __repr__(self):
@@ -69,6 +73,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.tokens) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -105,3 +113,40 @@ class Request:
     def next_token(self) -> int:
         """The token decoding produces next: a function of the prefix alone."""
         return (self.prefix[-1] >> 17) % self.vocab
+
+    def prefix_at(self, position: int) -> int:
+        """The rolling hash of the tokens through ``position``, drafts included: what a pass that
+        computes ``position`` writes (an accepted draft is the token decoding produces, so its
+        position's hash is the same either way)."""
+        n = len(self.tokens)
+        return self.prefix[position] if position < n else self.spec_prefix[position - n]
+
+    def propose_drafts(self, k: int) -> None:
+        """A proposer's guesses of the next tokens, each from the prefix through the one before.
+        Like an n-gram proposer it may find fewer than ``k`` (1 to ``k``, evenly), and its guess
+        agrees with decoding three times in four; both are functions of the prefix hash, so a
+        trace replays the same drafts and acceptances."""
+        previous, drafts, prefixes = self.prefix[-1], [], []
+        for _ in range(1 + (previous >> 50) % k):
+            token = (previous >> 17) % self.vocab
+            if (previous >> 40) % 4 == 0:
+                token = (token + 1) % self.vocab
+            previous = prefix_hash(previous, token)
+            drafts.append(token)
+            prefixes.append(previous)
+        self.spec_token_ids, self.spec_prefix = drafts, prefixes
+
+    def verify_drafts(self, num_verified: int) -> int:
+        """The verification pass over the first ``num_verified`` drafts: the leading ones that
+        decoding agrees with become tokens, the rest are dropped. Returns how many were accepted."""
+        accepted = 0
+        for token in self.spec_token_ids[:num_verified]:
+            if token != self.next_token():
+                break
+            self.append_token(token)
+            accepted += 1
+        self.spec_token_ids, self.spec_prefix = [], []
+        return accepted
+
+    def drop_drafts(self) -> None:
+        self.spec_token_ids, self.spec_prefix = [], []

@@ -213,6 +213,32 @@ class AcceptsNegativeExternal(KVCacheManager):
         super().validate_allocation(request, num_new_tokens, num_hit, hits, num_lookahead, max(0, num_external))
 
 
+class CachePastComputed(KVCacheManager):
+    """``cache_blocks`` caches every full block of the request's tokens that its tables hold,
+    not only those the computed count covers: after a verification pass that counts the bonus
+    token, whose position still holds a rejected draft until the next step computes it."""
+
+    def cache_blocks(self, request, num_computed_tokens: int) -> None:
+        held = min(len(table) for table in self.get_block_ids(request.request_id)) * self.block_size
+        super().cache_blocks(request, min(request.num_tokens, held))
+
+
+class DraftSlotsReturned(SingleTypeManager):
+    """At the start of each allocation, hands back the blocks past the computed tokens (only
+    rejected drafts or lookahead slots were written there) and cuts them from the table; the
+    allocation then takes fresh blocks for the same positions, which the worker's append-only
+    copy of the table never learns."""
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        super().remove_skipped_blocks(request_id, num_computed_tokens)
+        table = self.req_to_blocks.get(request_id)
+        keep = cdiv(num_computed_tokens, self.block_size)
+        if table and len(table) > keep:
+            surplus = table[keep:]
+            del table[keep:]
+            self.pool.free_blocks(reversed(surplus))
+
+
 def _with_manager(spec_type: type, manager: type) -> Parts:
     """The allocator's parts with ``manager`` serving ``spec_type``'s groups."""
     return Parts(managers={**MANAGER_FOR_SPEC, spec_type: manager})
@@ -294,6 +320,16 @@ VARIANTS = {
             "accepts-negative-external",
             "allocate_slots no longer refuses a negative external-token count",
             allocator=AcceptsNegativeExternal,
+        ),
+        Variant(
+            "cache-past-computed",
+            "cache_blocks caches every full block its tables hold, past the computed tokens it is given",
+            allocator=CachePastComputed,
+        ),
+        Variant(
+            "draft-slots-returned",
+            "the slots of rejected drafts are handed back and replaced, though a table may only grow",
+            parts=Parts(managers=_mixed_managers(DraftSlotsReturned)),
         ),
         Variant(
             "free-keeps-cached-count",
