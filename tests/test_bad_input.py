@@ -55,6 +55,14 @@ OK_GROUPS = (FullAttention(4),)
             lambda: EngineConfig(AllocatorConfig((Mamba(4, "none"),), 8, False), speculative_tokens=1),
             r"EngineConfig\.speculative_tokens must be 0 with a Mamba group",
         ),
+        (
+            lambda: EngineConfig(AllocatorConfig((Mamba(4, "align", 1),), 8), speculative_tokens=2),
+            r"Mamba\.speculative_blocks must equal EngineConfig\.speculative_tokens .* got 1 and 2",
+        ),
+        (
+            lambda: EngineConfig(AllocatorConfig((Mamba(2, "align", 2),), 8), speculative_tokens=2),
+            r"EngineConfig\.speculative_tokens must be below a Mamba group's block_size, got 2 drafts with blocks of 2",
+        ),
     ],
 )
 def test_out_of_range_values(build, message):

@@ -662,7 +662,15 @@ def test_a_state_written_into_the_null_block_is_state_write_unowned(monkeypatch)
     assert info.value.kind == "state-write-unowned"
 
 
-EXERCISED |= {"state-source-mismatch", "state-write-unowned"}
+def test_a_running_state_outside_the_table_is_state_not_held(monkeypatch):
+    eng, checker = _state_engine()
+    monkeypatch.setattr(eng, "state_block", lambda request, g: 7)  # a block r0's table does not hold
+    with pytest.raises(Violation) as info:
+        checker.check_full(eng)
+    assert info.value.kind == "state-not-held"
+
+
+EXERCISED |= {"state-source-mismatch", "state-write-unowned", "state-not-held"}
 
 
 def test_an_allocation_that_cuts_a_table_is_table_rewritten():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from helpers import engine
 
-from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow, cdiv
+from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, Mamba, SlidingWindow, cdiv
 from kvprop.check.checker import Checker, drain
 from kvprop.search.alphabet import AddRequest
 from kvprop.search.execute import execute
@@ -17,10 +17,11 @@ from kvprop.sim.engine import EV_SPEC_ACCEPT, EV_SPEC_REJECT
 PROMPTS = [[0, 1, 2, 3, 0, 1, 2], [3, 3, 1], [2, 0, 2, 0, 2, 0, 2, 0, 1], [1]]
 
 
-def outputs(speculative_tokens: int):
+def outputs(speculative_tokens: int, state_group: bool = False):
     """Every request's tokens at the end, run to completion with every check on, and the events."""
     checker = Checker()
-    eng = engine([FullAttention(2)], 64, hooks=checker, speculative_tokens=speculative_tokens, token_budget=16)
+    groups = [FullAttention(8), Mamba(8, "align", speculative_tokens)] if state_group else [FullAttention(2)]
+    eng = engine(groups, 64, hooks=checker, speculative_tokens=speculative_tokens, token_budget=16)
     requests = [eng.add_request(p, 12) for p in PROMPTS]
     drain(eng, checker)
     return [r.tokens for r in requests], eng.events
@@ -31,6 +32,13 @@ def test_drafts_change_no_output(k):
     """Verification keeps only what decoding would have produced: the outputs with k drafts are
     the outputs without drafts."""
     assert outputs(k)[0] == outputs(0)[0]
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_drafts_change_no_output_with_a_state_group(k):
+    """The same with a state group: its scratch columns, their moves and the boundary copies
+    keep every state the data oracle reads where the worker finds it."""
+    assert outputs(k, state_group=True)[0] == outputs(0, state_group=True)[0]
 
 
 def test_drafts_are_both_accepted_and_rejected():

@@ -10,7 +10,12 @@ state after exactly those tokens, so the scheduler ends prefill chunks on block 
 (``kvprop.sim.engine``) and the manager refuses, for the rest of the step, a hit whose
 state is only being computed in this step.
 
-Not modelled (docs/design.md §8.1): speculative state blocks, prefill checkpoint columns,
+With drafts the table ends in one scratch column per draft, where a verification pass puts
+the state after each draft; a column the next running state passes moves to the end of the
+table instead of being released (vLLM's ``_relocate_speculative_block``), because the state
+the next step continues from may be in it.
+
+Not modelled (docs/design.md §8.1): prefill checkpoint columns,
 hits inside a block (a hash unit smaller than a block) and their copy-on-write, and the
 connector. In "none" mode (no prefix caching) nothing is cached and the table keeps only
 the running state, like a one-token window.
@@ -18,6 +23,7 @@ the running state, like a one-token window.
 
 from __future__ import annotations
 
+from kvprop.allocator import guards
 from kvprop.allocator.block_pool import Block
 from kvprop.allocator.managers import SingleTypeManager
 from kvprop.allocator.retention import kept_state_mask, resume_boundaries
@@ -31,8 +37,10 @@ class MambaManager(SingleTypeManager):
         # In align mode lookahead slots are ignored: draft models have no Mamba layers, and
         # lookahead tokens would break the alignment (vLLM's MambaManager; "none" counts them).
         self.uses_main_model_tokens = self.align
+        self.num_speculative = spec.speculative_blocks  # scratch columns after the running state
         self.last_state_index: dict[str, int] = {}  # the previous running state, freed once passed
         self.num_retired: dict[str, int] = {}  # entries below this index were released already
+        self.allocated: set[str] = set()  # requests past their first allocation (vLLM's _allocated_block_reqs)
         self.cached_this_step: set = set()  # keys whose state this step's forward pass computes
 
     def new_step_starts(self) -> None:
@@ -75,23 +83,46 @@ class MambaManager(SingleTypeManager):
             # its state exists only once this step's forward pass has run: not this step
             return self.pool.num_blocks + 1
         table = self.req_to_blocks.get(request_id, ())
-        new = cdiv(num_tokens, self.block_size) - len(hits) - len(table)
+        new = self._required(num_tokens) - len(hits) - len(table)
         evictable = sum(1 for b in hits if b.ref_cnt == 0 and not b.is_null)
-        return min(max(new, 0), 1) + evictable
+        # the next running state, plus the scratch columns on a first allocation
+        cap = 1 + (0 if request_id in self.allocated else self.num_speculative)
+        return min(max(new, 0), cap) + evictable
+
+    def _required(self, num_tokens: int) -> int:
+        """Entries a table needs: through the running state after ``num_tokens``, then one scratch
+        column per draft (the states after each draft of a verification pass)."""
+        return cdiv(num_tokens, self.block_size) + self.num_speculative
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[Block]:
         if not self.align:
             return super().allocate_new_blocks(request_id, num_tokens)
         table = self.req_to_blocks.setdefault(request_id, [])
-        required = cdiv(num_tokens, self.block_size)
+        required, k = self._required(num_tokens), self.num_speculative
+        allocated = request_id in self.allocated
+        self.allocated.add(request_id)
         if required <= len(table):
             return []
-        if table:  # the running state (or, on a first allocation, the hit) becomes the previous one
-            self.last_state_index[request_id] = len(table) - 1
-        table.extend([self.null_block] * (required - 1 - len(table)))
-        new = self.pool.get_new_blocks(1)
+        before = len(table)
+        if before:  # the running state (on a first allocation, the hit) becomes the previous one
+            self.last_state_index[request_id] = before - 1 - (k if allocated else 0)
+        running = required - k - 1
+        table.extend([self.null_block] * (running - before))
+        if allocated:
+            # scratch columns the new running state passes are moved to the end, not released:
+            # one of them may hold the state the step continues from
+            for index in range(before - k, min(before, running)):
+                self._relocate(table, index)
+        new = self.pool.get_new_blocks(max(required - len(table), 0))
         table.extend(new)
         return new
+
+    def _relocate(self, table: list[Block], index: int) -> None:
+        block = table[index]
+        if guards.ENABLED and (block.is_null or block.ref_cnt != 1 or block.key is not None):
+            raise AssertionError(f"speculative block {block.block_id} at index {index} is not the request's alone")
+        table.append(block)
+        table[index] = self.null_block
 
     def kept_mask(self, request, start: int, end: int) -> list[bool] | None:
         return kept_state_mask(self.spec, self.retention_interval, resume_boundaries(request), start, end)
@@ -107,4 +138,5 @@ class MambaManager(SingleTypeManager):
     def free(self, request_id: str) -> None:
         for state in (self.last_state_index, self.num_retired):
             state.pop(request_id, None)
+        self.allocated.discard(request_id)
         super().free(request_id)

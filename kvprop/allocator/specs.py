@@ -110,6 +110,9 @@ class Mamba:
 
     block_size: int = attrs.field(validator=_block_size)
     mode: str = attrs.field(default="align", validator=_check_mode)
+    # vLLM's ``MambaSpec.num_speculative_blocks``: scratch columns after the running state, one
+    # per draft, for the states a verification pass computes (equal to the engine's drafts)
+    speculative_blocks: int = attrs.field(default=0, validator=_int_at_least(0, 4))
     kind = "mamba"
 
     def skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -233,11 +236,27 @@ class EngineConfig:
     speculative_tokens: int = attrs.field(default=0, kw_only=True, validator=_int_at_least(0, MAX_SPECULATIVE_TOKENS))
 
     def __attrs_post_init__(self):
-        if self.speculative_tokens and any(isinstance(spec, Mamba) for spec in self.allocator.groups):
-            raise ConfigError(
-                "EngineConfig.speculative_tokens must be 0 with a Mamba group: the speculative state "
-                "columns a verification pass writes are not modelled yet (docs/design.md §8.3)"
-            )
+        for spec in self.allocator.groups:
+            if not isinstance(spec, Mamba):
+                continue
+            if self.speculative_tokens and spec.mode == "none":
+                raise ConfigError(
+                    "EngineConfig.speculative_tokens must be 0 with a Mamba group in mode 'none': its "
+                    "speculative state columns are not modelled (docs/design.md §8.1); use mode 'align'"
+                )
+            if self.speculative_tokens >= spec.block_size:
+                raise ConfigError(
+                    f"EngineConfig.speculative_tokens must be below a Mamba group's block_size, got "
+                    f"{self.speculative_tokens} drafts with blocks of {spec.block_size}: a step may then cross "
+                    f"two block boundaries, and vLLM's worker copies only the last one's state into its "
+                    f"column (docs/design.md §2 'Drafts with a state group')"
+                )
+            if spec.speculative_blocks != self.speculative_tokens:
+                raise ConfigError(
+                    f"Mamba.speculative_blocks must equal EngineConfig.speculative_tokens (vLLM sets "
+                    f"num_speculative_blocks from num_speculative_tokens), got {spec.speculative_blocks} "
+                    f"and {self.speculative_tokens}"
+                )
         if self.connector != "off" and any(isinstance(spec, Mamba) for spec in self.allocator.groups):
             raise ConfigError(
                 "EngineConfig.connector must be 'off' with a Mamba group: loading and storing state "

@@ -137,9 +137,9 @@ class Checker(Hooks):
         if self.enabled:
             moments.load_write_owned(engine.view, request, engine.boundary.get_block_ids(request.request_id), block_ids)
 
-    def before_state_write(self, engine, request, group: int, table, start: int, end: int) -> None:
+    def before_state_write(self, engine, request, group: int, source, start: int, targets) -> None:
         if self.enabled:
-            moments.state_write(engine, engine.view, request, group, table, start, end)
+            moments.state_write(engine, engine.view, request, group, source, start, targets)
 
     def before_write(self, engine, request, group: int, table, start: int, num_tokens: int) -> None:
         if self.enabled:

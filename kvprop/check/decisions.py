@@ -38,7 +38,9 @@ def capacity_bounds(
         table = tables[g]
         if isinstance(spec, Mamba) and spec.mode == "align":
             group_hits = hits[g] if hits is not None else ()
-            need, frees = _state_group_need(view, table, group_hits, main, computed, same_step_states)
+            need, frees = _state_group_need(
+                view, table, group_hits, main, computed, same_step_states, spec.speculative_blocks
+            )
             generous, conservative, freed = generous + need[0], conservative + need[1], freed + frees
             continue
         if table is not None:
@@ -56,16 +58,16 @@ def capacity_bounds(
     return generous, conservative, view.num_free_blocks, freed
 
 
-def _state_group_need(view, table, hits, main: int, computed: int, same_step) -> tuple[tuple[int, int], int]:
+def _state_group_need(view, table, hits, main: int, computed: int, same_step, k: int) -> tuple[tuple[int, int], int]:
     """((generous, conservative) blocks, blocks its retirement frees) for a state group in align
-    mode: at most one new block per allocation (the next running state), plus a hit block still
-    in the free queue; every real entry below the running state is released first. A hit whose
-    state the current step is still computing may be refused whatever the pool holds (its
-    conservative need is unbounded)."""
+    mode with ``k`` scratch columns: at most one new block per allocation (the next running
+    state), ``k`` more on the first, plus a hit block still in the free queue; every real entry
+    below the running state is released first. A hit whose state the current step is still
+    computing may be refused whatever the pool holds (its conservative need is unbounded)."""
     bs, null = view.block_size, view.null_block_id
     ids = [b.block_id for b in hits]
     have = len(table) if table is not None else len(ids)
-    grow = min(1, max(0, cdiv(main, bs) - have))
+    grow = min(1 if table is not None else 1 + k, max(0, cdiv(main, bs) + k - have))
     evictable = sum(1 for b in ids if b != null and view.ref_cnt(b) == 0)
     running = cdiv(computed, bs) - 1
     frees = sum(1 for b in (table or ())[: max(running, 0)] if b != null and view.ref_cnt(b) == 1)

@@ -268,6 +268,7 @@ def check_tables(
                 )
             # rejected drafts keep their slots: a table may reach the drafts of an earlier step
             lo, hi = cdiv(computed, bs), cdiv(request.num_tokens + speculative + lookahead, bs)
+            hi += getattr(spec, "speculative_blocks", 0)  # a state group's scratch columns
             if not lo <= len(table) <= hi:
                 raise Violation(
                     "table-length",
@@ -326,7 +327,9 @@ def _needed_entries(spec, table, skipped_blocks: int, computed: int):
     the block the scheduled chunk computes into (the entries between are null until then)."""
     if not isinstance(spec, Mamba):
         return range(skipped_blocks, len(table))
-    running = [cdiv(computed, spec.block_size) - 1] if computed > 0 else []
+    # With drafts the state may sit in a scratch column, or one moved to the end: the data
+    # check finds it where the worker does and requires the table to hold it.
+    running = [cdiv(computed, spec.block_size) - 1] if computed > 0 and not spec.speculative_blocks else []
     return sorted({i for i in [*running, len(table) - 1] if 0 <= i < len(table)})
 
 
@@ -346,7 +349,16 @@ def check_data(engine, view, tables, keys, memo: dict) -> None:
             table = tables[(rid, g)]
             if isinstance(spec, Mamba):
                 if computed > 0:  # the running state: after exactly the computed tokens
-                    block_id = table[cdiv(computed, bs) - 1]
+                    block_id = engine.state_block(request, g)
+                    if block_id not in table:
+                        raise Violation(
+                            "state-not-held",
+                            f"{rid!r} state group {g} keeps its state after {computed} tokens in block "
+                            f"{block_id}, which its table no longer holds",
+                            blocks=[block_id],
+                            requests=[rid],
+                            groups=[g],
+                        )
                     slots.append(block_id * bs)
                     expected.append(state_fingerprint(g, computed, prefix))
                     origin.append((rid, g, computed, block_id))

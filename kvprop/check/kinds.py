@@ -48,6 +48,7 @@ KINDS = {
         Kind("write-to-shared-block", 7, "a block being computed into is the writer's alone (or its own cached block)"),
         Kind("state-write-unowned", 7, "a state group writes its next state into a block the request owns alone"),
         Kind("state-source-mismatch", 7, "a state group continues from its own state after the computed tokens"),
+        Kind("state-not-held", 7, "the block holding a state group's running state is in the request's table"),
         Kind("connector-handoff", 7, "blocks handed to the connector are exclusively owned and uncached"),
         Kind("connector-write-unowned", 7, "a completing load writes only blocks its request still owns alone"),
         Kind("refusal-changed-table", 8, "a refused allocation leaves the request's tables as they were"),

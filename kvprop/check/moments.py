@@ -5,7 +5,7 @@ calls (11) and what a free must leave behind (12). Each kind is raised by one fu
 
 from __future__ import annotations
 
-from kvprop.allocator.hashing import state_fingerprint
+from kvprop.allocator.hashing import fingerprint
 from kvprop.allocator.specs import cdiv
 from kvprop.check.invariants import own_cache_key
 from kvprop.errors import Violation
@@ -191,35 +191,33 @@ def writable(view, block_id: int, own) -> bool:
     return ref_cnt == 1 or (ref_cnt >= 1 and own is not None and view.cache_key(block_id) == own)
 
 
-def state_write(engine, view, request, group: int, table, start: int, end: int) -> None:
+def state_write(engine, view, request, group: int, source, start: int, targets) -> None:
     """7, for a state group: the step continues from the state after exactly ``start`` tokens of
     this request's own prefix (a state of another prefix, or one token ahead, is the wrong
-    state: vLLM #51100), and writes the state after ``end`` into a block the request owns
-    alone (or that already carries its own key for exactly ``end`` tokens)."""
+    state: vLLM #51100), and writes each state into a block the request owns alone (or that
+    already carries its own key for exactly that many tokens)."""
     bs, null, rid = view.block_size, view.null_block_id, request.request_id
-    index = cdiv(end, bs) - 1
-    target = table[index] if index < len(table) else null
     hashes = request.block_hashes
-    own = own_cache_key(hashes[index], group) if end % bs == 0 and index < len(hashes) else None
-    if target == null or not writable(view, target, own):
-        raise Violation(
-            "state-write-unowned",
-            f"{rid!r} state group {group} writes the state after {end} tokens into block {target} "
-            f"(index {index}, ref_cnt {view.ref_cnt(target)}, key {view.cache_key(target)})",
-            blocks=[target],
-            requests=[rid],
-            groups=[group],
-        )
+    for target, index, end in targets:
+        own = own_cache_key(hashes[index], group) if end == (index + 1) * bs and index < len(hashes) else None
+        if target == null or not writable(view, target, own):
+            raise Violation(
+                "state-write-unowned",
+                f"{rid!r} state group {group} writes the state after {end} tokens into block {target} "
+                f"(index {index}, ref_cnt {view.ref_cnt(target)}, key {view.cache_key(target)})",
+                blocks=[target],
+                requests=[rid],
+                groups=[group],
+            )
     if start == 0:
         return
-    source = table[cdiv(start, bs) - 1]
-    got = engine.memory.read([source * bs])[0] if source != null else None
-    if got != state_fingerprint(group, start, request.prefix):
+    got = engine.memory.read([source * bs])[0] if source not in (None, null) else None
+    if got != fingerprint(group, -start, request.prefix_at(start - 1)):
         raise Violation(
             "state-source-mismatch",
-            f"{rid!r} state group {group} continues from block {source} (index {cdiv(start, bs) - 1}), which "
-            f"does not hold its state after {start} tokens",
-            blocks=[source],
+            f"{rid!r} state group {group} continues from block {source}, which does not hold its state "
+            f"after {start} tokens",
+            blocks=[source] if source is not None else [],
             requests=[rid],
             groups=[group],
         )

@@ -180,6 +180,15 @@ def _with_allocator(config, **changes):
         return None
 
 
+def _with_drafts(config, k: int):
+    """``config`` with ``k`` drafts, its state groups' scratch columns to match."""
+    groups = tuple(attrs.evolve(g, speculative_blocks=k) if g.kind == "mamba" else g for g in config.allocator.groups)
+    try:
+        return attrs.evolve(config, speculative_tokens=k, allocator=attrs.evolve(config.allocator, groups=groups))
+    except ConfigError:
+        return None
+
+
 def _simpler_configs(config):
     """Simpler configurations, simplest first; None stands for one that is not valid."""
     a = config.allocator
@@ -203,7 +212,7 @@ def _simpler_configs(config):
     if config.lookahead:
         yield attrs.evolve(config, lookahead=0)
     for k in _smaller(config.speculative_tokens, 0):
-        yield attrs.evolve(config, speculative_tokens=k)
+        yield _with_drafts(config, k)
     if config.connector == "async":
         yield attrs.evolve(config, connector="sync")
     if config.connector != "off":

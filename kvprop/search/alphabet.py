@@ -65,11 +65,12 @@ def sample_config(choose) -> EngineConfig:
     # modelled yet), so the shapes with one are drawn as often as before.
     if connector == "off" and choose.integer(0, 1) == 0:
         groups[-1] = Mamba(bs, "align" if enable_caching else "none")
-    # Drafts in two shapes in five, 1 to 4 of them as MTP and EAGLE propose; none with a state
-    # group, whose speculative columns are not modelled yet.
+    # Drafts in half the shapes, 1 to 4 of them as MTP and EAGLE propose; none with a state
+    # group in mode "none", whose speculative columns are not modelled.
     speculative = choose.pick((0, 0, 0, 1, 2, 4))
-    if any(isinstance(g, Mamba) for g in groups):
-        speculative = 0
+    if isinstance(groups[-1], Mamba):  # vLLM sizes a state group's scratch columns by the drafts
+        speculative = min(speculative, bs - 1) if enable_caching else 0
+        groups[-1] = Mamba(bs, groups[-1].mode, speculative)
     return EngineConfig(
         allocator=AllocatorConfig(
             tuple(groups),

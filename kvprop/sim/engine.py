@@ -14,7 +14,7 @@ from collections import Counter, deque
 
 import attrs
 
-from kvprop.allocator.hashing import fingerprint, state_fingerprint
+from kvprop.allocator.hashing import fingerprint
 from kvprop.allocator.specs import EngineConfig, Mamba, cdiv
 from kvprop.errors import RequestError, TargetCrash
 from kvprop.sim.boundary import Boundary
@@ -79,9 +79,10 @@ class Hooks:
     def before_write(self, engine, request, group: int, table, start: int, num_tokens: int) -> None:
         """``request`` is about to compute positions [start, start + num_tokens) of ``group`` into ``table``."""
 
-    def before_state_write(self, engine, request, group: int, table, start: int, end: int) -> None:
+    def before_state_write(self, engine, request, group: int, source, start: int, targets) -> None:
         """``request`` is about to advance state group ``group`` from the state after ``start``
-        tokens to the one after ``end`` (the source and target blocks are in ``table``)."""
+        tokens, in block ``source`` (None: from nothing), writing each ``(block, index, n)`` of
+        ``targets``: the state after ``n`` tokens into the block at table index ``index``."""
 
     def step_starts(self, engine) -> None:
         """A step begins: nothing of it has been allocated or computed yet."""
@@ -121,12 +122,20 @@ class Engine:
         self.events: Counter = Counter()
         self.next_id = 0
         self.retired: deque[Request] = deque(maxlen=8)  # recently ended, for a buggy caller to free again
+        # The worker's side of a state group, per (request id, group): its append-only copy of
+        # the table, and (running column, accepted-token offset) of the last step (vLLM's
+        # mamba_utils: the state after the computed tokens is at column + offset).
+        self.worker_tables: dict[tuple[str, int], list[int]] = {}
+        self.state_columns: dict[tuple[str, int], tuple[int, int]] = {}
         self.last_hits = None  # (request id, hits, hit tokens) of the latest admission with a hit
 
     # ---- requests -------------------------------------------------------------------
 
     def max_blocks_needed(self, num_tokens: int) -> int:
-        return len(self.specs) * cdiv(num_tokens + self.config.lookahead, self.block_size)
+        """At most what a request of ``num_tokens`` holds at once: a block per position and
+        group, plus a state group's scratch columns."""
+        scratch = sum(getattr(spec, "speculative_blocks", 0) for spec in self.specs)
+        return len(self.specs) * cdiv(num_tokens + self.config.lookahead, self.block_size) + scratch
 
     def add_request(self, prompt, max_new_tokens: int) -> Request:
         prompt = list(prompt)
@@ -140,7 +149,8 @@ class Engine:
             raise RequestError(
                 f"add_request: a request of {len(prompt)} prompt + {max_new_tokens} new tokens may need {need} blocks "
                 f"({len(self.specs)} groups x ceil(({len(prompt)}+{max_new_tokens}+lookahead {self.config.lookahead})"
-                f"/{self.block_size})) but the pool has only {usable} usable blocks; it could never finish"
+                f"/{self.block_size}), plus state groups' scratch columns) but the pool has only {usable} usable "
+                f"blocks; it could never finish"
             )
         rid = f"r{self.next_id}"
         self.next_id += 1
@@ -160,6 +170,9 @@ class Engine:
 
     def _free(self, request: Request) -> None:
         self.boundary.free(request)
+        for g in self.state_groups:
+            self.worker_tables.pop((request.request_id, g), None)
+            self.state_columns.pop((request.request_id, g), None)
         self.hooks.after_free(self, request)
 
     def _retire(self, request: Request, status: Status) -> None:
@@ -465,11 +478,7 @@ class Engine:
             tables = self.boundary.get_block_ids(rid)
             for g, table in enumerate(tables):
                 if g in self.state_groups:
-                    # one state block: the state after start + n tokens, from the one after start
-                    end = start + n
-                    self.hooks.before_state_write(self, request, g, table, start, end)
-                    slots.append(table[cdiv(end, bs) - 1] * bs)
-                    values.append(state_fingerprint(g, end, request.prefix))
+                    self._write_states(request, g, table, start, n, slots, values)
                     continue
                 self.hooks.before_write(self, request, g, table, start, n)
                 if self.connector is not None:
@@ -505,6 +514,60 @@ class Engine:
                     # vLLM 0.33.0's post-output caching: the blocks the accepted tokens filled
                     self.boundary.cache_blocks(request, request.num_computed_tokens)
 
+    def _write_states(self, request: Request, g: int, table, start: int, n: int, slots, values) -> None:
+        """A state group's writes for positions [start, start + n): from the state after
+        ``start``, the state after the last scheduled token into the running column
+        ``cdiv(start + n, bs) - 1``; in a verification pass with d drafts, the states after the
+        verified token and after each draft into that column and the d after it (vLLM's
+        mamba_utils; the scratch columns are the table's last ones)."""
+        key, bs = (request.request_id, g), self.block_size
+        worker = self.worker_tables.setdefault(key, [])
+        worker.extend(table[len(worker) :])
+        drafts = max(0, start + n - request.num_tokens)
+        column = cdiv(start + n, bs) - 1
+        targets = [(worker[column + j], column + j, start + n - drafts + j) for j in range(drafts + 1)]
+        self.hooks.before_state_write(self, request, g, self.state_block(request, g), start, targets)
+        for block, _, after in targets:
+            slots.append(block * bs)
+            values.append(fingerprint(g, -after, request.prefix_at(after - 1)))
+        self.state_columns[key] = (column, drafts)  # the offset is settled by the verification
+
+    def state_block(self, request: Request, g: int):
+        """The block holding state group ``g``'s state after the request's computed tokens, as the
+        worker finds it: at the running column plus the accepted drafts, or, before the first
+        step, at the hit's last entry. None before anything is computed."""
+        if request.num_computed_tokens == 0:
+            return None
+        key = (request.request_id, g)
+        column = self.state_columns.get(key)
+        if column is None:
+            table = self.boundary.get_block_ids(request.request_id)[g]
+            return table[cdiv(request.num_computed_tokens, self.block_size) - 1]
+        return self.worker_tables[key][column[0] + column[1]]
+
+    def _settle_states(self, request: Request, drafts: int, accepted: int) -> None:
+        """After verification: the state after the computed tokens is ``accepted`` columns past
+        the running one; a block boundary the accepted tokens crossed gets its state copied into
+        the boundary's own column, where a hit on that block will look (vLLM's
+        ``postprocess_mamba``)."""
+        bs = self.block_size
+        computed = request.num_computed_tokens
+        verified = computed - accepted  # tokens through the verified one, drafts aside
+        for g in self.state_groups:
+            key = (request.request_id, g)
+            column, _ = self.state_columns[key]
+            offset = accepted
+            boundary = computed // bs * bs
+            if boundary >= verified:
+                worker = self.worker_tables[key]
+                source, dest = worker[column + boundary - verified], boundary // bs - 1
+                if dest != column or boundary != verified:
+                    self.hooks.before_state_write(self, request, g, source, boundary, [(worker[dest], dest, boundary)])
+                    self.memory.copy(source * bs, worker[dest] * bs)
+                if dest == column:
+                    offset = 0
+            self.state_columns[key] = (column, offset)
+
     def _verify(self, request: Request) -> None:
         """The verification pass of a decode step: accepted drafts become tokens and the computed
         count steps back over the rejected ones, whose slots stay allocated for later steps to
@@ -513,6 +576,8 @@ class Engine:
         accepted = request.verify_drafts(drafts)
         request.num_computed_tokens = request.num_tokens
         self.events[EV_SPEC_REJECT if accepted < drafts else EV_SPEC_ACCEPT] += 1
+        if self.state_groups:
+            self._settle_states(request, drafts, accepted)
 
     def _propose(self, request: Request) -> None:
         """Drafts for the next step, as many as the request may still emit after the token that

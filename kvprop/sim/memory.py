@@ -52,6 +52,19 @@ class PagedMemory:
             if self.recent is not None:
                 self.recent.append((slots, values))
 
+    def copy(self, source: int, dest: int) -> None:
+        """Copy one slot over another that this step may already have written: a worker's
+        state copy replaces that write, so the checker's record of it is replaced too (the
+        hook before the copy has judged the source)."""
+        value = self.flat[source].item()
+        self.flat[dest] = value
+        if self.recent is not None:
+            self.recent = [
+                ([s for s in slots if s != dest], [v for s, v in zip(slots, values) if s != dest])
+                for slots, values in self.recent
+            ]
+            self.recent.append(([dest], [value]))
+
     def read(self, slots: list[int]) -> list[int]:
         if not slots:
             return []

@@ -173,6 +173,7 @@ def vllm_specs(config: AllocatorConfig, v) -> list:
                     shapes=((1 + g,),),
                     dtypes=(v.torch.float32,),
                     mamba_cache_mode=spec.mode,
+                    num_speculative_blocks=spec.speculative_blocks,
                 )
             )
         else:
