@@ -37,7 +37,7 @@ def fingerprint(group: int, position: int, prefix: int) -> int:
     return hash((group, position, prefix)) & MASK63
 
 
-def state_fingerprint(group: int, num_tokens: int, prefix: list[int]) -> int:
-    """What a state group's block holds after exactly the first ``num_tokens`` tokens of a
-    prefix whose rolling hashes are ``prefix``: one value, in the block's first slot."""
-    return fingerprint(group, -num_tokens, prefix[num_tokens - 1])
+def state_fingerprint(group: int, num_tokens: int, prefix: int) -> int:
+    """What a state group's block holds after exactly the first ``num_tokens`` tokens, whose
+    rolling hash is ``prefix``: one value, in the block's first slot."""
+    return fingerprint(group, -num_tokens, prefix)

@@ -360,7 +360,7 @@ def check_data(engine, view, tables, keys, memo: dict) -> None:
                             groups=[g],
                         )
                     slots.append(block_id * bs)
-                    expected.append(state_fingerprint(g, computed, prefix))
+                    expected.append(state_fingerprint(g, computed, prefix[computed - 1]))
                     origin.append((rid, g, computed, block_id))
                 continue
             for p in range(computed):
@@ -400,7 +400,7 @@ def expected_cached_row(engine, key, memo: dict):
         index, prefix = known
         start = index * engine.block_size
         if isinstance(engine.specs[key[1]], Mamba):  # the state after the block's last token, in slot 0
-            row = memo[key] = (start, [fingerprint(key[1], -(start + len(prefix)), prefix[-1])])
+            row = memo[key] = (start, [state_fingerprint(key[1], start + len(prefix), prefix[-1])])
         else:
             row = memo[key] = (start, [fingerprint(key[1], start + j, h) for j, h in enumerate(prefix)])
     return row

@@ -5,7 +5,7 @@ calls (11) and what a free must leave behind (12). Each kind is raised by one fu
 
 from __future__ import annotations
 
-from kvprop.allocator.hashing import fingerprint
+from kvprop.allocator.hashing import state_fingerprint
 from kvprop.allocator.specs import cdiv
 from kvprop.check.invariants import own_cache_key
 from kvprop.errors import Violation
@@ -212,7 +212,7 @@ def state_write(engine, view, request, group: int, source, start: int, targets) 
     if start == 0:
         return
     got = engine.memory.read([source * bs])[0] if source not in (None, null) else None
-    if got != fingerprint(group, -start, request.prefix_at(start - 1)):
+    if got != state_fingerprint(group, start, request.prefix_at(start - 1)):
         raise Violation(
             "state-source-mismatch",
             f"{rid!r} state group {group} continues from block {source}, which does not hold its state "

@@ -63,14 +63,13 @@ def sample_config(choose) -> EngineConfig:
     token_budget, lookahead, connector = choose.integer(1, 64), choose.integer(0, 2), choose.pick(CONNECTORS)
     # A state-space group in half the shapes without a connector (loading state blocks is not
     # modelled yet), so the shapes with one are drawn as often as before.
-    if connector == "off" and choose.integer(0, 1) == 0:
-        groups[-1] = Mamba(bs, "align" if enable_caching else "none")
+    state_group = connector == "off" and choose.integer(0, 1) == 0
     # Drafts in half the shapes, 1 to 4 of them as MTP and EAGLE propose; none with a state
-    # group in mode "none", whose speculative columns are not modelled.
+    # group in mode "none", whose speculative columns are not modelled, and fewer than a block.
     speculative = choose.pick((0, 0, 0, 1, 2, 4))
-    if isinstance(groups[-1], Mamba):  # vLLM sizes a state group's scratch columns by the drafts
+    if state_group:  # vLLM sizes a state group's scratch columns by the drafts
         speculative = min(speculative, bs - 1) if enable_caching else 0
-        groups[-1] = Mamba(bs, groups[-1].mode, speculative)
+        groups[-1] = Mamba(bs, "align" if enable_caching else "none", speculative)
     return EngineConfig(
         allocator=AllocatorConfig(
             tuple(groups),

@@ -14,7 +14,7 @@ from collections import Counter, deque
 
 import attrs
 
-from kvprop.allocator.hashing import fingerprint
+from kvprop.allocator.hashing import fingerprint, state_fingerprint
 from kvprop.allocator.specs import EngineConfig, Mamba, cdiv
 from kvprop.errors import RequestError, TargetCrash
 from kvprop.sim.boundary import Boundary
@@ -529,7 +529,7 @@ class Engine:
         self.hooks.before_state_write(self, request, g, self.state_block(request, g), start, targets)
         for block, _, after in targets:
             slots.append(block * bs)
-            values.append(fingerprint(g, -after, request.prefix_at(after - 1)))
+            values.append(state_fingerprint(g, after, request.prefix_at(after - 1)))
         self.state_columns[key] = (column, drafts)  # the offset is settled by the verification
 
     def state_block(self, request: Request, g: int):
@@ -545,7 +545,7 @@ class Engine:
             return table[cdiv(request.num_computed_tokens, self.block_size) - 1]
         return self.worker_tables[key][column[0] + column[1]]
 
-    def _settle_states(self, request: Request, drafts: int, accepted: int) -> None:
+    def _settle_states(self, request: Request, accepted: int) -> None:
         """After verification: the state after the computed tokens is ``accepted`` columns past
         the running one; a block boundary the accepted tokens crossed gets its state copied into
         the boundary's own column, where a hit on that block will look (vLLM's
@@ -577,7 +577,7 @@ class Engine:
         request.num_computed_tokens = request.num_tokens
         self.events[EV_SPEC_REJECT if accepted < drafts else EV_SPEC_ACCEPT] += 1
         if self.state_groups:
-            self._settle_states(request, drafts, accepted)
+            self._settle_states(request, accepted)
 
     def _propose(self, request: Request) -> None:
         """Drafts for the next step, as many as the request may still emit after the token that
