@@ -58,7 +58,7 @@ test-vllm:
 		bash scripts/vllm-env.sh $$v; \
 		echo "== vLLM $$v"; \
 		VLLM_LOGGING_LEVEL=ERROR PYTHONWARNINGS=ignore KVPROP_PROFILE=$(PROFILE) \
-			.venv-vllm-$$v/bin/python -m pytest -m vllm tests/test_vllm_target.py; \
+			.venv-vllm-$$v/bin/python -m pytest -m vllm tests/test_vllm_target.py tests/test_vllm_scheduler.py; \
 	done
 
 # Per release: build, the vLLM tests, a fixed walk budget (300 runs, seed 0); one table row

@@ -91,7 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     def target_args(sp, variant_help="bug variant of kvprop's allocator (see `kvprop variants`); kvprop target only"):
         sp.add_argument("--variant", default=None, help=variant_help)
-        sp.add_argument("--target", default=None, help="'kvprop' (default), 'vllm', or package.module:factory")
+        sp.add_argument(
+            "--target",
+            default=None,
+            help="'kvprop' (default), 'vllm' (vLLM's KVCacheManager), 'vllm-scheduler' (vLLM's Scheduler), "
+            "or package.module:factory",
+        )
         sp.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present, else cpu)")
 
     f = command("fuzz", c.cmd_fuzz, "search for a violation until the budget ends (exit 1 found, 0 clean)")

@@ -38,6 +38,8 @@ import attrs
 from kvprop.errors import ConfigError
 
 VLLM_FILES = ("block_pool.py", "kv_cache_coordinator.py", "kv_cache_manager.py", "single_type_kv_cache_manager.py")
+VLLM_SCHEDULER_FILES = ("sched/scheduler.py",)
+NAMES = "'kvprop', 'vllm', 'vllm-scheduler' or 'package.module:factory'"  # as kvprop.targets (not imported here)
 MAX_OPS = 10_000
 PROGRESS_EVERY = 10.0
 
@@ -183,25 +185,29 @@ def _scope_of(files, include, measured) -> Scope:
     return Scope(files, tuple(include), measured, root)
 
 
-def _vllm_scope() -> Scope:
+def _vllm_scope(target: str = "vllm") -> Scope:
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
         from kvprop.targets.vllm import INSTALL_HINT  # kvprop's own advice: how to build a vLLM environment
 
-        raise ConfigError(f"target 'vllm' needs vLLM importable, but there is no module named 'vllm'; {INSTALL_HINT}")
+        raise ConfigError(
+            f"target {target!r} needs vLLM importable, but there is no module named 'vllm'; {INSTALL_HINT}"
+        )
     core = Path(next(iter(spec.submodule_search_locations))) / "v1" / "core"
-    files = [core / name for name in VLLM_FILES]
-    missing = [f.name for f in files if not f.is_file()]
+    names = VLLM_FILES + (VLLM_SCHEDULER_FILES if target == "vllm-scheduler" else ())
+    files = [core / name for name in names]
+    missing = [str(f.relative_to(core)) for f in files if not f.is_file()]
     if missing:
-        raise ConfigError(f"target 'vllm': this vLLM ({core}) has no {missing}; kvprop measures {list(VLLM_FILES)}")
-    measured = "vLLM's allocator: vllm/v1/core/" + ", ".join(VLLM_FILES)
+        raise ConfigError(f"target {target!r}: this vLLM ({core}) has no {missing}; kvprop measures {list(names)}")
+    measured = "vLLM's allocator" + (" and scheduler" if target == "vllm-scheduler" else "")
+    measured += ": vllm/v1/core/" + ", ".join(names)
     return _scope_of(files, [str(f.resolve()) for f in files], measured)
 
 
 def _path_scope(target: str) -> Scope:
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
-        raise ConfigError(f"target must be 'kvprop', 'vllm' or 'package.module:factory', got {target!r}")
+        raise ConfigError(f"target must be {NAMES}, got {target!r}")
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())  # as kvprop.targets.load_factory finds it
     try:
@@ -230,10 +236,10 @@ def scope(target: str | None) -> Scope:
     if target in (None, "kvprop"):
         directory = Path(__file__).resolve().parent / "allocator"
         return _scope_of(_py_files(directory), [str(directory / "*")], "kvprop's own allocator: kvprop/allocator/")
-    if target == "vllm":
-        return _vllm_scope()
+    if target in ("vllm", "vllm-scheduler"):
+        return _vllm_scope(target)
     if not isinstance(target, str):
-        raise ConfigError(f"target must be 'kvprop', 'vllm' or 'package.module:factory', got {target!r}")
+        raise ConfigError(f"target must be {NAMES}, got {target!r}")
     return _path_scope(target)
 
 
@@ -241,6 +247,7 @@ def scope(target: str | None) -> Scope:
 # the tracer: what the walks need and nothing measured (none of these imports a measured module; were
 # one to, the report would name it under ``imported_before``).
 WARM = {"vllm": ("vllm", "vllm.sampling_params", "vllm.v1.kv_cache_interface", "vllm.v1.core.kv_cache_utils")}
+WARM["vllm-scheduler"] = (*WARM["vllm"], "vllm.config")
 
 
 def _warm(target) -> None:

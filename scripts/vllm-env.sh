@@ -31,19 +31,24 @@ kvprop_ok() {
   [ -x "$PY" ] && [ "$("$PY" -c 'import kvprop, os; print(os.path.dirname(os.path.dirname(os.path.abspath(kvprop.__file__))))' 2>/dev/null)" = "$REPO" ]
 }
 
-if [ -e "$DIR/.ok" ] && [ "$(cat "$DIR/.ok")" = "$VERSION" ] && kvprop_ok; then
+# The stamp names what the environment was checked for: the manager target ("VERSION") and,
+# since the scheduler target, vLLM's Scheduler too ("VERSION scheduler"). An environment
+# stamped for the manager alone keeps its packages and reruns the closure loop (step 5).
+STAMP="$VERSION scheduler"
+REUSE=
+if [ -e "$DIR/.ok" ] && kvprop_ok; then
   # coverage.py joined the test tooling later: an environment built before gets it here
   "$PY" -c 'import coverage' 2>/dev/null \
     || "$PY" -m pip install --disable-pip-version-check -q coverage 2>&1 | grep -v 'is ignored' || true
-  echo "vllm-env: $DIR already set up for vllm $VERSION; skipping (delete it to rebuild)"
-  exit 0
+  if [ "$(cat "$DIR/.ok")" = "$STAMP" ]; then
+    echo "vllm-env: $DIR already set up for vllm $VERSION; skipping (delete it to rebuild)"
+    exit 0
+  fi
+  [ "$(cat "$DIR/.ok")" = "$VERSION" ] && REUSE=1
 fi
 
 start=$(date +%s)
 _last=$start
-rm -rf "$DIR"
-python3 -m venv "$DIR"
-
 # pip install, quiet; drops pip's noise about this machine's absent file:// index
 # folders ("... is ignored: it is neither a file nor a directory") but keeps pip's
 # exit status.
@@ -59,6 +64,12 @@ step() {  # step LABEL: print seconds since the previous step
   echo "vllm-env: $1: $((now - _last)) s"
   _last=$now
 }
+
+if [ -n "$REUSE" ]; then
+  echo "vllm-env: $DIR has vllm $VERSION for the manager target; completing its import closure for the scheduler"
+else
+rm -rf "$DIR"
+python3 -m venv "$DIR"
 
 # 1. CPU torch.
 pipq "torch==2.13.0+cpu"
@@ -93,6 +104,7 @@ step "base pins (--no-deps, ${#DEPS[@]} pins)"
 pipq hypothesis pytest coverage attrs==26.1.0
 pipq --no-deps -e "$REPO"
 step "kvprop (editable, --no-deps) + hypothesis, pytest, coverage, attrs"
+fi
 
 # 5. The rest of the import closure, found by importing: run what `--target vllm` runs
 #    (kvprop.targets.vllm's imports, then building one allocator), read the
@@ -109,9 +121,17 @@ import traceback
 
 try:
     from kvprop.allocator.specs import AllocatorConfig, FullAttention, SlidingWindow
+    from kvprop.allocator.specs import EngineConfig
     from kvprop.targets.vllm import make_target
+    from kvprop.targets.vllm_scheduler import build_scheduler
 
-    make_target(AllocatorConfig((FullAttention(4), SlidingWindow(4, 16)), 13))
+    config = AllocatorConfig((FullAttention(4), SlidingWindow(4, 16)), 13)
+    make_target(config)
+    # the scheduler target: vLLM's ModelConfig inspects the architecture in a subprocess on some
+    # releases, which hides a missing module; importing the model's code shows it here
+    import vllm.model_executor.models.llama  # noqa: F401
+
+    build_scheduler(EngineConfig(config, token_budget=8))
 except BaseException as e:  # noqa: BLE001 - report whatever stops the import
     traceback.print_exc()
     seen, err = set(), e
@@ -234,14 +254,19 @@ import vllm  # noqa: E402
 
 assert vllm.__version__ == sys.argv[1], (vllm.__version__, sys.argv[1])
 from kvprop.allocator.specs import AllocatorConfig, FullAttention, SlidingWindow  # noqa: E402
+from kvprop.allocator.specs import EngineConfig  # noqa: E402
 from kvprop.targets.vllm import make_target  # noqa: E402
+from kvprop.targets.vllm_scheduler import build_scheduler  # noqa: E402
 
-allocator, view = make_target(AllocatorConfig((FullAttention(4), SlidingWindow(4, 16)), 13))
+config = AllocatorConfig((FullAttention(4), SlidingWindow(4, 16)), 13)
+allocator, view = make_target(config)
 assert view.num_free_blocks == 12, view.num_free_blocks
-print(f"vllm-env: torch {torch.__version__}, vllm {vllm.__version__}: kvprop's vllm target builds an allocator")
+scheduler = build_scheduler(EngineConfig(config, token_budget=8))
+assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 12
+print(f"vllm-env: torch {torch.__version__}, vllm {vllm.__version__}: kvprop's vllm targets build an allocator and a scheduler")
 PYEOF
 step "import check"
 kvprop_ok || { echo "vllm-env: kvprop does not import from $REPO in $DIR" >&2; exit 1; }
 
-echo "$VERSION" > "$DIR/.ok"
+echo "$STAMP" > "$DIR/.ok"
 echo "vllm-env: $DIR ready in $(($(date +%s) - start)) s"

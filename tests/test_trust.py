@@ -169,6 +169,7 @@ COMMANDS = {
     "json": ("fuzz --json --seed 2 --max-runs 5 --seconds 120 --workers 1 --out {w}/cx-json", W),
     "vllm": ("fuzz --target vllm --seconds 3 --workers 1 --out {w}/cx-vllm", W),
     "vllm-canary": ("fuzz --canary --target vllm --seconds 3 --workers 1 --out {w}/cx-vllm", W),
+    "vllm-scheduler": ("fuzz --target vllm-scheduler --seconds 3 --workers 1 --out {w}/cx-vllm-s", W),
     "refuser-walk": ("fuzz --target refuser:make --driver walk --seconds 5 --workers 1 --out {w}/cx-r", W),
     "refuser-hypothesis": ("fuzz --target refuser:make --driver hypothesis --seconds 5 --workers 1 --out {w}/cx-r", W),
     "variant-with-path-target": (
@@ -384,7 +385,7 @@ def test_bugs_prints_its_header_first(tmp_path, running):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed in this environment")
-@pytest.mark.parametrize("name", ["vllm", "vllm-canary"])
+@pytest.mark.parametrize("name", ["vllm", "vllm-canary", "vllm-scheduler"])
 def test_vllm_target_without_vllm_exits_2_before_searching_and_says_how_to_build_it(ran, name):
     r = result(ran, name)
     assert (r.returncode, "make vllm-env" in r.stderr) == (2, True), r.stdout + r.stderr

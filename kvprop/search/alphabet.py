@@ -260,9 +260,11 @@ class Preempt:
 
     @staticmethod
     def ready(h: Harness) -> bool:
-        return bool(h.engine.running)
+        return bool(h.engine.running) and getattr(h.engine, "preempts_on_request", True)
 
     def apply(self, h: Harness) -> str:
+        if not getattr(h.engine, "preempts_on_request", True):
+            return "not made: this target's scheduler preempts by its own policy"
         return _on_running(h, self.index, h.engine.preempt, "preempted")
 
 

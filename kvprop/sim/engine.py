@@ -469,13 +469,23 @@ class Engine:
                 self.events[EV_CROSS_GROUP] += 1
 
     def _execute(self, report: StepReport) -> None:
+        """The model's forward pass: the writes, then each request's progress."""
+        self._write_scheduled(report)
+        self._advance(report)
+
+    def worker_block_ids(self, request_id: str):
+        """The tables a forward pass writes through: the allocator's own, read at the step (a
+        target whose scheduler hands the worker its block ids keeps the worker's copy)."""
+        return self.boundary.get_block_ids(request_id)
+
+    def _write_scheduled(self, report: StepReport) -> None:
         """Write every newly computed position (one scatter), after the hook has seen each target block."""
         bs = self.block_size
         slots, values, offload = [], [], []
         for rid, n in report.scheduled.items():
             request = self.requests[rid]
             start = request.num_computed_tokens
-            tables = self.boundary.get_block_ids(rid)
+            tables = self.worker_block_ids(rid)
             for g, table in enumerate(tables):
                 if g in self.state_groups:
                     self._write_states(request, g, table, start, n, slots, values)
@@ -495,6 +505,9 @@ class Engine:
         self.memory.write(slots, values)
         if self.connector is not None:
             self.connector.offload(offload)
+
+    def _advance(self, report: StepReport) -> None:
+        """Each scheduled request's progress after the pass: verification, the sampled token, the end."""
         for rid, n in report.scheduled.items():
             request = self.requests[rid]
             request.num_computed_tokens += n

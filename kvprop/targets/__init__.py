@@ -1,8 +1,10 @@
 """Targets: the allocator an engine drives, with the read-only view its invariants read.
 
 A target is named ``kvprop`` (the default: kvprop's own allocator, or one of its bug
-variants), ``vllm`` (vLLM's own ``KVCacheManager``) or ``package.module:factory`` — any
-callable ``factory(config: AllocatorConfig) -> (allocator, view)``. The allocator answers
+variants), ``vllm`` (vLLM's own ``KVCacheManager``), ``vllm-scheduler`` (vLLM's own
+``Scheduler`` in charge of the steps, ``kvprop.targets.vllm_scheduler``) or
+``package.module:factory`` — any callable ``factory(config: AllocatorConfig) -> (allocator,
+view)``. The allocator answers
 the manager-facade calls of ``kvprop.allocator.manager.KVCacheManager``; the view answers
 the calls of ``kvprop.allocator.view.AllocatorView``. ``docs/targets.md`` documents both.
 
@@ -19,7 +21,11 @@ import sys
 from kvprop.errors import ConfigError
 from kvprop.sim.engine import Engine
 
-BUILTIN = {"vllm": "kvprop.targets.vllm:make_target"}
+BUILTIN = {
+    "vllm": "kvprop.targets.vllm:make_target",
+    "vllm-scheduler": "kvprop.targets.vllm_scheduler:build_engine",
+}
+NAMES = "'kvprop', 'vllm', 'vllm-scheduler' or 'package.module:factory'"
 
 
 FACADE_CALLS = ("get_computed_blocks", "allocate_slots", "free", "cache_blocks", "reset_prefix_cache", "get_block_ids")
@@ -42,11 +48,11 @@ VIEW_FIELDS = ("num_blocks", "block_size", "num_groups", "null_block_id", "num_f
 def load_factory(target: str):
     """The factory a target names; any way it cannot be loaded is a ConfigError that says why."""
     if not isinstance(target, str):
-        raise ConfigError(f"target must be 'kvprop', 'vllm' or 'package.module:factory', got {target!r}")
+        raise ConfigError(f"target must be {NAMES}, got {target!r}")
     path = BUILTIN.get(target, target)
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise ConfigError(f"target must be 'kvprop', 'vllm' or 'package.module:factory', got {target!r}")
+        raise ConfigError(f"target must be {NAMES}, got {target!r}")
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())  # `kvprop --target pkg.mod:f` finds modules where `python -m` would
     try:
@@ -95,7 +101,10 @@ def build_engine(config, variant=None, target=None, device=None, hooks=None, can
         return build_kvprop_engine(config, variant, device=device, hooks=hooks, wrap=with_canary if canary else None)
     if variant not in (None, "correct"):
         raise ConfigError(f"variant {variant!r} applies to the kvprop target only, not to target {target!r}")
-    allocator, view = check_built(target, load_factory(target)(config.allocator))
+    factory = load_factory(target)
+    if getattr(factory, "engine_target", False):  # it builds the whole engine (its own scheduler)
+        return factory(config, device=device, hooks=hooks, canary=canary)
+    allocator, view = check_built(target, factory(config.allocator))
     if config.allocator.enable_kv_cache_events and not hasattr(allocator, "take_events"):
         raise ConfigError(
             f"target {target!r}: the configuration enables KV cache events, but the allocator has no "

@@ -306,6 +306,22 @@ class VllmAllocator:
             raise ConfigError(
                 f"target 'vllm': vLLM {v.version} cannot build an allocator for {config}: {type(e).__name__}: {e}"
             ) from e
+        self._attach()
+
+    @classmethod
+    def around(cls, config: AllocatorConfig, manager) -> VllmAllocator:
+        """The facade and its bookkeeping over a manager vLLM built itself (its scheduler's)."""
+        allocator = cls.__new__(cls)
+        allocator.v = _import_vllm()
+        allocator.config = config
+        allocator.block_size = config.block_size
+        allocator.num_groups = len(config.groups)
+        allocator.manager = manager
+        allocator._attach()
+        return allocator
+
+    def _attach(self) -> None:
+        v = self.v
         self.pool = self.manager.block_pool
         self.hasher = v.kvu.get_request_block_hasher(self.block_size, v.sha256)
         self._allocate_params = _accepted(v.KVCacheManager.allocate_slots)
@@ -398,10 +414,14 @@ class VllmAllocator:
         """vLLM's KV cache events since the last call, in kvprop's terms: one event per key
         (vLLM's stored event lists several hashes of one group). A hash never named stays
         visibly foreign, as in the view."""
+        return self.translate_events(self.manager.take_events())
+
+    def translate_events(self, events) -> list:
+        """vLLM's KV cache events in kvprop's terms (``take_events``)."""
         ev = self.v.kv_events
         kinds = ((ev.BlockStored, Stored), (ev.BlockRemoved, Removed))
         out = []
-        for event in self.manager.take_events():
+        for event in events:
             if isinstance(event, ev.AllBlocksCleared):
                 out.append(Cleared())
                 continue

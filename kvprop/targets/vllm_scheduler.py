@@ -1,0 +1,508 @@
+"""vLLM's own v1 ``Scheduler`` as a kvprop target (``--target vllm-scheduler``).
+
+Here kvprop's engine does not schedule. Each step calls vLLM's ``Scheduler.schedule()``,
+plays the model runner — writes every scheduled position through the block ids the
+scheduler output hands the worker, samples each request's next token — and hands the
+output back through ``update_from_output``. Admission, chunking, preemption under
+pressure and the freeing of finished requests are vLLM's own; kvprop's operations only
+add requests, abort or stop them, reset the prefix cache and step.
+
+The invariants read the scheduler's ``KVCacheManager`` through the manager target's view,
+between operations and inside the step: the manager's ``get_computed_blocks``,
+``allocate_slots`` and ``free`` are observed — the instance's attributes wrap the bound
+methods and call through with the same arguments, returning what they return — so the
+checks run where blocks change hands, as with ``--target vllm``. kvprop's request records
+mirror vLLM's (status, computed tokens, tokens) at each of those moments; the data oracle
+judges what the worker wrote through the scheduler's block ids.
+
+Not driven yet (a configuration asking for one is refused, counted, never run): speculative
+decoding and lookahead slots, vLLM's connectors, and async scheduling. docs/targets.md says
+what each would need.
+"""
+
+from __future__ import annotations
+
+import atexit
+import inspect
+import json
+import shutil
+import tempfile
+import warnings
+from types import SimpleNamespace
+
+from kvprop.allocator.specs import EngineConfig, Mamba
+from kvprop.errors import ConfigError, TargetCrash, Violation
+from kvprop.sim.engine import EV_EVICT, EV_PREEMPT, Engine, StepReport
+from kvprop.sim.request import Status
+from kvprop.targets.vllm import (
+    INSTALL_HINT,
+    Hits,
+    VllmAllocator,
+    VllmView,
+    _environment,
+    _import_vllm,
+    _retention_setting,
+    vllm_specs,
+)
+
+_SCHED = None
+_MODEL_DIRS: dict[int, str] = {}
+
+
+def _import_scheduler() -> SimpleNamespace:
+    """vLLM's scheduler API, imported once; a missing piece is a ConfigError that says how to get it."""
+    global _SCHED
+    if _SCHED is not None:
+        return _SCHED
+    v = _import_vllm()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            from vllm import config as vc
+            from vllm.v1.core.sched.scheduler import Scheduler
+            from vllm.v1.outputs import ModelRunnerOutput
+            from vllm.v1.request import RequestStatus
+            from vllm.v1.structured_output import StructuredOutputManager
+        except ImportError as e:
+            raise ConfigError(
+                f"target 'vllm-scheduler' needs vLLM's scheduler importable, but importing it failed ({e}); "
+                f"{INSTALL_HINT}"
+            ) from e
+    _SCHED = SimpleNamespace(
+        v=v,
+        config=vc,
+        Scheduler=Scheduler,
+        ModelRunnerOutput=ModelRunnerOutput,
+        RequestStatus=RequestStatus,
+        StructuredOutputManager=StructuredOutputManager,
+    )
+    return _SCHED
+
+
+def _model_dir(vocab: int) -> str:
+    """A directory holding only the ``config.json`` of a tiny Llama: vLLM's ``ModelConfig`` reads
+    the architecture from it; no weights and no tokenizer are ever loaded. Removed at exit."""
+    path = _MODEL_DIRS.get(vocab)
+    if path is None:
+        path = _MODEL_DIRS[vocab] = tempfile.mkdtemp(prefix="kvprop-vllm-model-")
+        atexit.register(shutil.rmtree, path, True)
+        tiny = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "num_hidden_layers": 2,
+            "vocab_size": max(vocab, 32),
+            "max_position_embeddings": 1 << 20,
+            "rms_norm_eps": 1e-5,
+            "torch_dtype": "float32",
+        }
+        with open(f"{path}/config.json", "w") as f:
+            json.dump(tiny, f)
+    return path
+
+
+def _build(cls, what: str, **wanted):
+    """``cls(**wanted)`` with only the keyword arguments this release's ``cls`` accepts; one it
+    lacks is dropped only at its neutral value (as the manager target's calls)."""
+    params = set(inspect.signature(cls).parameters)
+    out = {}
+    for name, value in wanted.items():
+        if name in params:
+            out[name] = value
+        elif value not in (None, 0, False):
+            raise ConfigError(f"target 'vllm-scheduler': this vLLM's {what} has no parameter {name!r}")
+    return cls(**out)
+
+
+def refusal(config: EngineConfig) -> str | None:
+    """Why this target cannot run ``config`` yet, or None."""
+    if config.speculative_tokens or config.lookahead:
+        return (
+            "speculative decoding and lookahead slots are not driven through vLLM's scheduler yet "
+            f"(speculative_tokens={config.speculative_tokens}, lookahead={config.lookahead}; allowed: 0)"
+        )
+    if config.connector != "off":
+        return f"vLLM's connectors are not driven yet (connector={config.connector!r}; allowed: 'off')"
+    return None
+
+
+def build_scheduler(config: EngineConfig):
+    """vLLM's ``Scheduler`` for ``config``, configured as vLLM's engine configures it for this
+    release (synchronous scheduling: the engine's other mode overlaps steps, not modelled)."""
+    s = _import_scheduler()
+    v, vc, alloc = s.v, s.config, config.allocator
+    bs, max_len = alloc.block_size, alloc.num_blocks * alloc.block_size
+    modes = {spec.mode for spec in alloc.groups if isinstance(spec, Mamba)}
+    retention = _retention_setting(alloc, v)
+    try:
+        model = _build(
+            vc.ModelConfig,
+            "ModelConfig",
+            model=_model_dir(config.vocab),
+            skip_tokenizer_init=True,
+            dtype="float32",
+            max_model_len=max_len,
+        )
+        cache = _build(
+            vc.CacheConfig,
+            "CacheConfig",
+            block_size=bs,
+            enable_prefix_caching=alloc.enable_caching,
+            **({"mamba_cache_mode": modes.pop()} if modes else {}),
+        )
+        cache.num_gpu_blocks = alloc.num_blocks
+        scheduler_config = _build(
+            vc.SchedulerConfig,
+            "SchedulerConfig",
+            max_num_seqs=min(config.token_budget, 128),
+            max_num_batched_tokens=config.token_budget,
+            max_model_len=max_len,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+            async_scheduling=False,
+        )
+        extra = {}
+        if alloc.enable_kv_cache_events:
+            extra["kv_events_config"] = vc.KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        vllm_config = vc.VllmConfig(
+            model_config=model,
+            cache_config=cache,
+            scheduler_config=scheduler_config,
+            device_config=vc.DeviceConfig(device="cpu"),
+            **extra,
+        )
+        kv_cache_config = v.kvi.KVCacheConfig(
+            num_blocks=alloc.num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[v.kvi.KVCacheGroupSpec([f"layer{g}"], s) for g, s in enumerate(vllm_specs(alloc, v))],
+            **retention.get("field", {}),
+        )
+        with _environment(retention.get("env", {})):
+            return s.Scheduler(
+                vllm_config=vllm_config,
+                kv_cache_config=kv_cache_config,
+                structured_output_manager=s.StructuredOutputManager(vllm_config),
+                block_size=bs,
+                log_stats=False,
+            )
+    except ConfigError:
+        raise
+    except ModuleNotFoundError as e:
+        raise ConfigError(f"target 'vllm-scheduler': vLLM {v.version} needs {e.name!r}; {INSTALL_HINT}") from e
+    except (AssertionError, ValueError, TypeError, NotImplementedError) as e:
+        raise ConfigError(
+            f"target 'vllm-scheduler': vLLM {v.version} cannot build a scheduler for {config}: "
+            f"{type(e).__name__}: {str(e)[:400]}"
+        ) from e
+
+
+def build_engine(config: EngineConfig, device=None, hooks=None, canary: bool = False):
+    """The target's entry point (``kvprop.targets.ENGINE_TARGETS``): it builds the whole engine."""
+    _import_scheduler()  # without vLLM every configuration is refused for that reason, with the way out
+    why = refusal(config)
+    if why:
+        raise ConfigError(f"target 'vllm-scheduler': {why}")
+    from kvprop.targets.canary import with_canary
+
+    cls = with_canary(SchedulerEngine) if canary else SchedulerEngine
+    return cls(config, device=device, hooks=hooks)
+
+
+build_engine.engine_target = True
+
+
+class _HookFailed(Exception):
+    """Carries an error of kvprop's own hooks out through vLLM's code, so the step re-raises the
+    original instead of reporting it as the target's crash."""
+
+
+class SchedulerEngine(Engine):
+    """kvprop's engine with vLLM's scheduler in charge of every step."""
+
+    preempts_on_request = False  # vLLM's scheduler preempts by its own policy, under pressure
+
+    def __init__(self, config: EngineConfig, device=None, hooks=None):
+        self.scheduler = build_scheduler(config)
+        self.s = _import_scheduler()
+        manager = self.scheduler.kv_cache_manager
+        allocator = VllmAllocator.around(config.allocator, manager)
+        allocator.caller_contract = {}  # malformed calls go to the manager, never through this scheduler
+        super().__init__(config, allocator, VllmView(allocator), device=device, hooks=hooks)
+        self.tells_steps = False  # schedule() tells the manager itself
+        self.worker: dict[str, list[list[int]]] = {}  # request id -> the block ids the worker holds, per group
+        self.report: StepReport | None = None
+        self._hook_error: BaseException | None = None
+        self._events: list = []
+        self._observe(manager)
+
+    # ---- observing the manager ---------------------------------------------------------
+
+    def _observe(self, manager) -> None:
+        real_hit, real_allocate, real_free = manager.get_computed_blocks, manager.allocate_slots, manager.free
+
+        def get_computed_blocks(vreq, *args, **kwargs):
+            result = real_hit(vreq, *args, **kwargs)
+            self._hook(self._after_hit, vreq, result)
+            return result
+
+        def allocate_slots(vreq, num_new_tokens, *args, **kwargs):
+            if args:  # the scheduler passes keywords; bind positional ones to their names all the same
+                bound = inspect.signature(real_allocate).bind(vreq, num_new_tokens, *args, **kwargs)
+                kwargs = {k: val for k, val in bound.arguments.items() if k not in ("request", "num_new_tokens")}
+            request, seen, token = self._hook(self._before_allocation, vreq, num_new_tokens, kwargs)
+            try:
+                result = real_allocate(vreq, num_new_tokens, **kwargs)
+            except Exception:
+                self._hook(self.hooks.allocation_crashed, self, request, token)
+                raise
+            self._hook(self._after_allocation, request, seen, token, result)
+            return result
+
+        def free(vreq):
+            self._free(vreq)
+
+        self._real_free = real_free
+        real_events = self._real_take_events = manager.take_events
+
+        def take_events():
+            events = real_events()
+            self._events.extend(events)  # what the scheduler publishes, in order
+            return events
+
+        manager.get_computed_blocks = get_computed_blocks
+        manager.take_events = take_events
+        manager.allocate_slots = allocate_slots
+        manager.free = free
+
+    def _hook(self, fn, *args):
+        """Run a check from inside vLLM's call: a Violation passes through; any other error of
+        kvprop's own is carried out as itself (never the target's crash)."""
+        try:
+            return fn(*args)
+        except Violation:
+            raise
+        except Exception as e:
+            self._hook_error = e
+            raise _HookFailed() from e
+
+    def _mirror(self, vreq):
+        """kvprop's record of ``vreq``, its computed count brought up to vLLM's."""
+        request = self.requests[vreq.request_id]
+        request.num_computed_tokens = vreq.num_computed_tokens
+        return request
+
+    def _after_hit(self, vreq, result) -> None:
+        request = self._mirror(vreq)
+        request.shared_prefix_boundary = result[2] if len(result) > 2 else 0
+        hits = Hits(result[0])
+        if result[1]:
+            self.last_hits = (request.request_id, hits, result[1])
+        self.hooks.after_hit(self, request, hits, result[1])
+
+    def _before_allocation(self, vreq, num_new_tokens, kwargs):
+        request = self._mirror(vreq)
+        seen = dict(kwargs)
+        hits = seen.get("new_computed_blocks")
+        if hits is not None:
+            seen["new_computed_blocks"] = Hits(hits)
+        return request, seen, self.hooks.before_allocation(self, request, num_new_tokens, seen)
+
+    def _after_allocation(self, request, seen, token, result) -> None:
+        computed = (
+            request.num_computed_tokens
+            + seen.get("num_new_computed_tokens", 0)
+            + seen.get("num_external_computed_tokens", 0)
+        )
+        if result is not None and request.status is Status.WAITING:
+            # vLLM admits what it allocated for: running from here on, with its hit computed
+            self.waiting.remove(request)
+            self.running.append(request)
+            request.status = Status.RUNNING
+            request.num_computed_tokens = computed
+            if self.report is not None:
+                self.report.admitted.append(request.request_id)
+        self.hooks.after_allocation(self, request, token, result, computed)
+
+    def _free(self, vreq) -> None:
+        """vLLM's scheduler frees ``vreq``: the manager frees it, then kvprop mirrors it (the
+        canary's mixin overrides this, as the engine's own ``_free``)."""
+        self._real_free(vreq)
+        self._hook(self._after_free, vreq)
+
+    def _after_free(self, vreq) -> None:
+        """vLLM freed ``vreq``'s blocks: it finished or was aborted, or it is being preempted (the
+        scheduler frees first, then marks it; a finished request is marked first)."""
+        request = self.requests.get(vreq.request_id)
+        if request is None:
+            return
+        self._forget_worker(request)
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if vreq.is_finished():
+            status = Status.ABORTED if vreq.status == self.s.RequestStatus.FINISHED_ABORTED else Status.FINISHED
+            self._retire(request, status)
+            if self.report is not None and status is Status.FINISHED:
+                self.report.finished.append(request.request_id)
+        else:
+            request.num_computed_tokens = 0
+            request.num_preemptions += 1
+            request.status = Status.WAITING
+            self.waiting.appendleft(request)
+            self.events[EV_PREEMPT] += 1
+            if self.report is not None:
+                self.report.preempted.append(request.request_id)
+        self.hooks.after_free(self, request)
+
+    def _forget_worker(self, request) -> None:
+        rid = request.request_id
+        self.worker.pop(rid, None)
+        for g in self.state_groups:
+            self.worker_tables.pop((rid, g), None)
+            self.state_columns.pop((rid, g), None)
+
+    def _call(self, what: str, fn, *args):
+        """A call into vLLM's scheduler: its exception is the target's crash, a hook's error is kvprop's."""
+        self._hook_error = None
+        try:
+            return fn(*args)
+        except (Violation, TargetCrash):
+            raise
+        except Exception as e:
+            if self._hook_error is not None:
+                raise self._hook_error from None
+            raise TargetCrash(what, e) from e
+
+    # ---- operations ----------------------------------------------------------------------
+
+    def add_request(self, prompt, max_new_tokens: int):
+        request = super().add_request(prompt, max_new_tokens)
+        v = self.allocator.v
+        vreq = v.Request(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.tokens),
+            sampling_params=v.SamplingParams(max_tokens=max_new_tokens),
+            pooling_params=None,
+            block_hasher=self.allocator.hasher,
+        )
+        self.allocator.requests[request.request_id] = vreq
+        self.allocator._named[request.request_id] = 0
+        self.allocator._name_hashes(request.request_id, vreq.block_hashes, request.block_hashes)
+        self._call("Scheduler.add_request", self.scheduler.add_request, vreq)
+        return request
+
+    def abort(self, request_id: str) -> None:
+        self.get(request_id)
+        self._finish_in_vllm(request_id, self.s.RequestStatus.FINISHED_ABORTED)
+
+    def finish(self, request_id: str) -> None:
+        from kvprop.errors import RequestError
+
+        request = self.get(request_id)
+        if request.status is not Status.RUNNING:
+            raise RequestError(
+                f"finish: request {request_id!r} is {request.status.value}, only running ones can finish"
+            )
+        self._finish_in_vllm(request_id, self.s.RequestStatus.FINISHED_STOPPED)
+
+    def _finish_in_vllm(self, request_id: str, status) -> None:
+        self.report = None
+        self._call("Scheduler.finish_requests", self.scheduler.finish_requests, request_id, status)
+        request = self.requests.get(request_id)
+        if request is not None:  # vLLM held no blocks for it (a waiting request): it ends all the same
+            (self.running if request in self.running else self.waiting).remove(request)
+            self._forget_worker(request)
+            aborted = status == self.s.RequestStatus.FINISHED_ABORTED
+            self._retire(request, Status.ABORTED if aborted else Status.FINISHED)
+
+    def preempt(self, request_id: str) -> None:
+        from kvprop.errors import RequestError
+
+        raise RequestError("preempt: vLLM's scheduler preempts by its own policy, under pressure; not made")
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self._call("Scheduler.reset_prefix_cache", self.scheduler.reset_prefix_cache))
+
+    def take_kv_events(self) -> list | None:
+        """The events the scheduler published since the last call, then those the manager holds
+        for its next publication (an operation between steps, a reset, makes some): kvprop takes
+        them where a subscriber would have them, so the cache map is judged against all of it."""
+        if not self.config.allocator.enable_kv_cache_events:
+            return None
+        published, self._events = self._events, []
+        pending = self._call("KVCacheManager.take_events", self._real_take_events)
+        return self.allocator.translate_events([*published, *pending])
+
+    # ---- a step ---------------------------------------------------------------------------
+
+    def worker_block_ids(self, request_id: str):
+        return self.worker[request_id]
+
+    def step(self) -> StepReport:
+        report = self.report = StepReport()
+        evictions = self.view.num_evictions
+        self.hooks.step_starts(self)
+        try:
+            output = self._call("Scheduler.schedule", self.scheduler.schedule)
+            starts = self._hand_to_worker(output)
+            for rid, n in output.num_scheduled_tokens.items():
+                report.scheduled[rid] = n
+                self.requests[rid].num_computed_tokens = starts[rid]
+            self._write_scheduled(report)
+            model_output = self._model_output(output, starts)
+            self._call("Scheduler.update_from_output", self.scheduler.update_from_output, output, model_output)
+            self._take_outputs(report)
+        finally:
+            self.report = None
+        if self.view.num_evictions > evictions:
+            self.events[EV_EVICT] += 1
+        return report
+
+    def _hand_to_worker(self, output) -> dict[str, int]:
+        """The worker's block tables after this step's output (new requests' block ids; running
+        ones' new ids appended, a resumed one's replaced), and where each request's tokens start."""
+        starts = {}
+        for new in output.scheduled_new_reqs:
+            self.worker[new.req_id] = [list(ids) for ids in new.block_ids]
+            starts[new.req_id] = new.num_computed_tokens
+        cached = output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None)
+        for i, rid in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            again = rid in resumed if resumed is not None else cached.resumed_from_preemption[i]
+            if again or rid not in self.worker:
+                self.worker[rid] = [list(ids) for ids in new_ids] if new_ids else [[] for _ in self.specs]
+            elif new_ids:
+                for table, ids in zip(self.worker[rid], new_ids, strict=True):
+                    table.extend(ids)
+            starts[rid] = cached.num_computed_tokens[i]
+        return starts
+
+    def _model_output(self, output, starts):
+        """What the model runner returns: the next token of every request whose scheduled tokens
+        reach its end (decoding depends on the prefix alone), nothing for a prefill chunk."""
+        ids = list(output.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            request = self.requests[rid]
+            request.num_computed_tokens = starts[rid] + output.num_scheduled_tokens[rid]
+            sampled.append([request.next_token()] if request.num_computed_tokens >= request.num_tokens else [])
+        return self.s.ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)}, sampled_token_ids=sampled
+        )
+
+    def _take_outputs(self, report: StepReport) -> None:
+        """kvprop's records brought up to vLLM's after the output: tokens it appended, computed counts."""
+        for rid in report.scheduled:
+            request = self.requests.get(rid)
+            vreq = self.scheduler.requests.get(rid)
+            if request is None or vreq is None:
+                continue
+            for token in vreq.all_token_ids[request.num_tokens :]:
+                request.append_token(token)
+            request.num_computed_tokens = vreq.num_computed_tokens
+            self.allocator._name_hashes(rid, vreq.block_hashes, request.block_hashes)

@@ -1,0 +1,100 @@
+"""vLLM's own scheduler through kvprop (``--target vllm-scheduler``); skipped where vLLM is absent.
+
+Run inside an environment built by ``make vllm-env VLLM_VERSION=...``::
+
+    .venv-vllm-0.24.0/bin/python -m pytest -m vllm tests/test_vllm_scheduler.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+vllm = pytest.importorskip("vllm")
+
+from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow  # noqa: E402
+from kvprop.check.checker import Checker, drain  # noqa: E402
+from kvprop.errors import ConfigError  # noqa: E402
+from kvprop.search.walk import plan, run_walk  # noqa: E402
+from kvprop.sim.engine import EV_PREEMPT  # noqa: E402
+from kvprop.targets import build_engine  # noqa: E402
+from kvprop.targets.vllm_scheduler import refusal  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+HYBRID = (FullAttention(4), SlidingWindow(4, 8))
+
+
+def engine_for(config, checker=None):
+    return build_engine(config, target="vllm-scheduler", hooks=checker or Checker())
+
+
+def runnable_seeds(count: int, start: int = 0):
+    """Walk seeds whose configuration this target drives (the others are refused, never run)."""
+    seeds, seed = [], start
+    while len(seeds) < count:
+        if refusal(plan(seed).config) is None:
+            seeds.append(seed)
+        seed += 1
+    return seeds
+
+
+def test_vllms_scheduler_runs_a_workload_to_completion_with_every_check():
+    checker = Checker()
+    engine = engine_for(EngineConfig(AllocatorConfig(HYBRID, 24), token_budget=8), checker)
+    for prompt in (range(10), list(range(8)) + [9, 9, 9], range(5)):
+        engine.add_request(list(prompt), 3)
+    drain(engine, checker)
+    assert (engine.view.num_free_blocks, engine.requests, engine.scheduler.requests) == (23, {}, {})
+
+
+def test_a_shared_prefix_is_a_hit_in_vllms_scheduler():
+    checker = Checker()
+    engine = engine_for(EngineConfig(AllocatorConfig((FullAttention(4),), 16), token_budget=64), checker)
+    engine.add_request(list(range(9)), 2)
+    engine.step()
+    engine.add_request(list(range(9)) + [7], 2)
+    report = engine.step()
+    assert report.scheduled == {"r0": 1, "r1": 2}  # r1 reuses r0's two full blocks: 8 of its 10 tokens
+
+
+def test_vllm_preempts_by_its_own_policy_under_pressure():
+    checker = Checker()
+    engine = engine_for(EngineConfig(AllocatorConfig((FullAttention(2),), 9), token_budget=16), checker)
+    for seed in range(3):
+        engine.add_request([seed] * 5, 6)  # three requests of up to 11 tokens: 6 blocks each, 8 usable
+    drain(engine, checker)
+    assert (engine.events[EV_PREEMPT] > 0, engine.view.num_free_blocks) == (True, 8)
+
+
+def test_walks_are_clean():
+    """Clean, and mostly run: a release may refuse a shape itself (0.23.0: retention without a
+    sliding window), which is counted, not run."""
+    results = [run_walk(seed, target="vllm-scheduler") for seed in runnable_seeds(25)]
+    assert [(r.trace.seed, r.failure) for r in results if r.failure] == []
+    assert sum(r.steps_run > 0 for r in results) >= 12
+
+
+def test_the_canary_is_found_through_vllms_scheduler():
+    found = [run_walk(seed, target="vllm-scheduler", canary=True).failure for seed in runnable_seeds(10)]
+    assert any(f is not None for f in found)
+
+
+def test_an_error_in_kvprops_checks_is_not_the_targets_crash(monkeypatch):
+    engine = engine_for(EngineConfig(AllocatorConfig(HYBRID, 24), token_budget=8))
+
+    def broken(*args):
+        raise RuntimeError("a bug in kvprop's checker")
+
+    monkeypatch.setattr(engine.hooks, "before_allocation", broken)
+    engine.add_request(list(range(6)), 2)
+    with pytest.raises(RuntimeError, match="a bug in kvprop's checker"):
+        engine.step()
+
+
+def test_drafts_are_refused_with_the_reason():
+    config = EngineConfig(AllocatorConfig(HYBRID, 24), token_budget=8, speculative_tokens=2)
+    with pytest.raises(ConfigError, match="speculative decoding"):
+        engine_for(config)
