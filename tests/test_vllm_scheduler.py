@@ -18,7 +18,7 @@ from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention,
 from kvprop.check.checker import Checker, drain  # noqa: E402
 from kvprop.errors import ConfigError  # noqa: E402
 from kvprop.search.walk import plan, run_walk  # noqa: E402
-from kvprop.sim.engine import EV_PREEMPT  # noqa: E402
+from kvprop.sim.engine import EV_PREEMPT, EV_SPEC_ACCEPT, EV_SPEC_REJECT  # noqa: E402
 from kvprop.targets import build_engine  # noqa: E402
 from kvprop.targets.vllm_scheduler import refusal  # noqa: E402
 
@@ -94,7 +94,30 @@ def test_an_error_in_kvprops_checks_is_not_the_targets_crash(monkeypatch):
         engine.step()
 
 
-def test_drafts_are_refused_with_the_reason():
-    config = EngineConfig(AllocatorConfig(HYBRID, 24), token_budget=8, speculative_tokens=2)
-    with pytest.raises(ConfigError, match="speculative decoding"):
+def test_lookahead_slots_are_refused_with_the_reason():
+    config = EngineConfig(AllocatorConfig(HYBRID, 24), token_budget=8, lookahead=1)
+    with pytest.raises(ConfigError, match="lookahead slots are not driven"):
         engine_for(config)
+
+
+def test_drafts_reach_vllms_scheduler_and_its_verification():
+    checker = Checker()
+    config = EngineConfig(AllocatorConfig(HYBRID, 40), token_budget=16, speculative_tokens=3)
+    engine = engine_for(config, checker)
+    for prompt in (range(6), range(3, 12)):
+        engine.add_request(list(prompt), 8)
+    drain(engine, checker)
+    seen = (engine.events[EV_SPEC_ACCEPT] + engine.events[EV_SPEC_REJECT] > 0, engine.view.num_free_blocks)
+    assert seen == (True, 39)
+
+
+def test_outputs_are_the_same_with_and_without_drafts():
+    def outputs(drafts):
+        config = EngineConfig(AllocatorConfig(HYBRID, 40), token_budget=16, speculative_tokens=drafts)
+        engine = engine_for(config)
+        request = engine.add_request([1, 2, 3, 1, 2], 7)
+        while engine.requests:
+            engine.step()
+        return request.tokens
+
+    assert outputs(3) == outputs(0)

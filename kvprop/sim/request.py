@@ -126,27 +126,42 @@ class Request:
         Like an n-gram proposer it may find fewer than ``k`` (1 to ``k``, evenly), and its guess
         agrees with decoding three times in four; both are functions of the prefix hash, so a
         trace replays the same drafts and acceptances."""
-        previous, drafts, prefixes = self.prefix[-1], [], []
+        previous, drafts = self.prefix[-1], []
         for _ in range(1 + (previous >> 50) % k):
             token = (previous >> 17) % self.vocab
             if (previous >> 40) % 4 == 0:
                 token = (token + 1) % self.vocab
             previous = prefix_hash(previous, token)
             drafts.append(token)
+        self.set_drafts(drafts)
+
+    def set_drafts(self, drafts) -> None:
+        """``drafts`` as the tokens after the last one, whoever proposed them (a scheduler's
+        placeholders included: vLLM pads a new decode with -1, which verification rejects)."""
+        previous, prefixes = self.prefix[-1], []
+        for token in drafts:
+            previous = prefix_hash(previous, token)
             prefixes.append(previous)
-        self.spec_token_ids, self.spec_prefix = drafts, prefixes
+        self.spec_token_ids, self.spec_prefix = list(drafts), prefixes
+
+    def verified_tokens(self, num_verified: int) -> list[int]:
+        """What a verification pass over the first ``num_verified`` drafts samples: the leading
+        drafts decoding agrees with, then the token decoding produces after them."""
+        out, previous = [], self.prefix[-1]
+        for token, through in zip(self.spec_token_ids[:num_verified], self.spec_prefix, strict=False):
+            if token != (previous >> 17) % self.vocab:
+                break
+            out.append(token)
+            previous = through
+        return [*out, (previous >> 17) % self.vocab]
 
     def verify_drafts(self, num_verified: int) -> int:
         """The verification pass over the first ``num_verified`` drafts: the leading ones that
         decoding agrees with become tokens, the rest are dropped. Returns how many were accepted."""
-        accepted = 0
-        for token in self.spec_token_ids[:num_verified]:
-            if token != self.next_token():
-                break
-            self.append_token(token)
-            accepted += 1
+        accepted = self.verified_tokens(num_verified)[:-1]
+        self.extend_tokens(accepted)
         self.spec_token_ids, self.spec_prefix = [], []
-        return accepted
+        return len(accepted)
 
     def drop_drafts(self) -> None:
         self.spec_token_ids, self.spec_prefix = [], []

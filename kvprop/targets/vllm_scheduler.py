@@ -15,8 +15,11 @@ checks run where blocks change hands, as with ``--target vllm``. kvprop's reques
 mirror vLLM's (status, computed tokens, tokens) at each of those moments; the data oracle
 judges what the worker wrote through the scheduler's block ids.
 
-Not driven yet (a configuration asking for one is refused, counted, never run): speculative
-decoding and lookahead slots, vLLM's connectors, and async scheduling. docs/targets.md says
+Speculative decoding runs as vLLM's n-gram drafting does: after each step the worker hands the
+scheduler kvprop's drafts (``update_draft_token_ids``), the next step schedules them, and the
+output carries the accepted ones and the token after them. Not driven yet (a configuration
+asking for one is refused, counted, never run): lookahead slots (an EAGLE drafter's), vLLM's
+connectors, and async scheduling. docs/targets.md says
 what each would need.
 """
 
@@ -32,7 +35,7 @@ from types import SimpleNamespace
 
 from kvprop.allocator.specs import EngineConfig, Mamba
 from kvprop.errors import ConfigError, TargetCrash, Violation
-from kvprop.sim.engine import EV_EVICT, EV_PREEMPT, Engine, StepReport
+from kvprop.sim.engine import EV_EVICT, EV_PREEMPT, EV_SPEC_ACCEPT, EV_SPEC_REJECT, Engine, StepReport
 from kvprop.sim.request import Status
 from kvprop.targets.vllm import (
     INSTALL_HINT,
@@ -60,7 +63,7 @@ def _import_scheduler() -> SimpleNamespace:
         try:
             from vllm import config as vc
             from vllm.v1.core.sched.scheduler import Scheduler
-            from vllm.v1.outputs import ModelRunnerOutput
+            from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
             from vllm.v1.request import RequestStatus
             from vllm.v1.structured_output import StructuredOutputManager
         except ImportError as e:
@@ -72,6 +75,7 @@ def _import_scheduler() -> SimpleNamespace:
         v=v,
         config=vc,
         Scheduler=Scheduler,
+        DraftTokenIds=DraftTokenIds,
         ModelRunnerOutput=ModelRunnerOutput,
         RequestStatus=RequestStatus,
         StructuredOutputManager=StructuredOutputManager,
@@ -119,10 +123,10 @@ def _build(cls, what: str, **wanted):
 
 def refusal(config: EngineConfig) -> str | None:
     """Why this target cannot run ``config`` yet, or None."""
-    if config.speculative_tokens or config.lookahead:
+    if config.lookahead:
         return (
-            "speculative decoding and lookahead slots are not driven through vLLM's scheduler yet "
-            f"(speculative_tokens={config.speculative_tokens}, lookahead={config.lookahead}; allowed: 0)"
+            f"lookahead slots are not driven through vLLM's scheduler (lookahead={config.lookahead}; allowed: 0): "
+            "vLLM derives them from an EAGLE drafter's own forward pass, which kvprop does not model"
         )
     if config.connector != "off":
         return f"vLLM's connectors are not driven yet (connector={config.connector!r}; allowed: 'off')"
@@ -165,6 +169,16 @@ def build_scheduler(config: EngineConfig):
             async_scheduling=False,
         )
         extra = {}
+        if config.speculative_tokens:
+            # n-gram drafting: drafts come from the worker after each step, no lookahead slots
+            extra["speculative_config"] = _build(
+                vc.SpeculativeConfig,
+                "SpeculativeConfig",
+                method="ngram",
+                num_speculative_tokens=config.speculative_tokens,
+                prompt_lookup_max=config.speculative_tokens,
+                prompt_lookup_min=1,
+            )
         if alloc.enable_kv_cache_events:
             extra["kv_events_config"] = vc.KVEventsConfig(enable_kv_cache_events=True, publisher="null")
         vllm_config = vc.VllmConfig(
@@ -344,6 +358,8 @@ class SchedulerEngine(Engine):
         elif request in self.waiting:
             self.waiting.remove(request)
         if vreq.is_finished():
+            # the tokens of its last output, which vLLM may have cached a block of before freeing
+            self._catch_up(request, vreq)
             status = Status.ABORTED if vreq.status == self.s.RequestStatus.FINISHED_ABORTED else Status.FINISHED
             self._retire(request, status)
             if self.report is not None and status is Status.FINISHED:
@@ -451,11 +467,17 @@ class SchedulerEngine(Engine):
             starts = self._hand_to_worker(output)
             for rid, n in output.num_scheduled_tokens.items():
                 report.scheduled[rid] = n
-                self.requests[rid].num_computed_tokens = starts[rid]
+                request = self.requests[rid]
+                request.num_computed_tokens = starts[rid]
+                drafts = list(output.scheduled_spec_decode_tokens.get(rid, ()))
+                if drafts != request.spec_token_ids[: len(drafts)]:
+                    # vLLM 0.33.0 pads a new decode to 1 + K rows with -1 placeholders (one
+                    # CUDA graph for the batch): they are computed and then rejected like drafts
+                    request.set_drafts(drafts)
             self._write_scheduled(report)
             model_output = self._model_output(output, starts)
             self._call("Scheduler.update_from_output", self.scheduler.update_from_output, output, model_output)
-            self._take_outputs(report)
+            self._take_outputs(report, output)
         finally:
             self.report = None
         if self.view.num_evictions > evictions:
@@ -482,27 +504,60 @@ class SchedulerEngine(Engine):
             starts[rid] = cached.num_computed_tokens[i]
         return starts
 
+    def _catch_up(self, request, vreq) -> list[int]:
+        """The tokens vLLM appended to ``vreq`` since kvprop's record last grew, appended to it
+        too, and the new block hashes named (so an event or a key for them reads as kvprop's)."""
+        grown = vreq.all_token_ids[request.num_tokens :]
+        request.extend_tokens(grown)
+        self.allocator._name_hashes(request.request_id, vreq.block_hashes, request.block_hashes)
+        return grown
+
     def _model_output(self, output, starts):
-        """What the model runner returns: the next token of every request whose scheduled tokens
-        reach its end (decoding depends on the prefix alone), nothing for a prefill chunk."""
+        """What the model runner returns: for every request whose scheduled tokens reach its end,
+        the drafts verification accepts and the token after them (decoding depends on the prefix
+        alone), nothing for a prefill chunk."""
         ids = list(output.num_scheduled_tokens)
         sampled = []
         for rid in ids:
             request = self.requests[rid]
             request.num_computed_tokens = starts[rid] + output.num_scheduled_tokens[rid]
-            sampled.append([request.next_token()] if request.num_computed_tokens >= request.num_tokens else [])
+            drafts = len(output.scheduled_spec_decode_tokens.get(rid, ()))
+            reached = request.num_computed_tokens - drafts >= request.num_tokens
+            sampled.append(request.verified_tokens(drafts) if reached else [])
+            if drafts and reached and self.state_groups:
+                # the worker copies a crossed boundary's state in the same pass (vLLM's
+                # postprocess_mamba), before the scheduler sees the output or frees the request
+                accepted = len(sampled[-1]) - 1
+                request.num_computed_tokens = request.num_tokens + accepted
+                self._settle_states(request, accepted)
         return self.s.ModelRunnerOutput(
             req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)}, sampled_token_ids=sampled
         )
 
-    def _take_outputs(self, report: StepReport) -> None:
-        """kvprop's records brought up to vLLM's after the output: tokens it appended, computed counts."""
+    def _take_outputs(self, report: StepReport, output) -> None:
+        """kvprop's records brought up to vLLM's after the output (the tokens it appended, its
+        computed counts, the verification's outcome), then the drafts for the next step."""
+        proposals = {}
         for rid in report.scheduled:
             request = self.requests.get(rid)
             vreq = self.scheduler.requests.get(rid)
             if request is None or vreq is None:
                 continue
-            for token in vreq.all_token_ids[request.num_tokens :]:
-                request.append_token(token)
+            grown = self._catch_up(request, vreq)
+            drafts = len(output.scheduled_spec_decode_tokens.get(rid, ()))
+            request.drop_drafts()
             request.num_computed_tokens = vreq.num_computed_tokens
-            self.allocator._name_hashes(rid, vreq.block_hashes, request.block_hashes)
+            if drafts and grown:
+                self.events[EV_SPEC_REJECT if len(grown) <= drafts else EV_SPEC_ACCEPT] += 1
+            room = request.max_new_tokens - request.num_output_tokens - 1
+            k = min(self.config.speculative_tokens, room)
+            if grown and k > 0:
+                request.propose_drafts(k)
+                proposals[rid] = list(request.spec_token_ids)
+        if proposals:
+            drafts = self.s.DraftTokenIds(req_ids=list(proposals), draft_token_ids=list(proposals.values()))
+            self._call("Scheduler.update_draft_token_ids", self.scheduler.update_draft_token_ids, drafts)
+            for rid in proposals:  # vLLM keeps no drafts for a request still in prefill: neither does kvprop
+                vreq = self.scheduler.requests[rid]
+                if list(vreq.spec_token_ids) != proposals[rid]:
+                    self.requests[rid].drop_drafts()
