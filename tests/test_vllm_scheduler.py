@@ -14,6 +14,8 @@ import pytest
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 vllm = pytest.importorskip("vllm")
 
+from packaging.version import Version  # noqa: E402
+
 from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow  # noqa: E402
 from kvprop.check.checker import Checker, drain  # noqa: E402
 from kvprop.errors import ConfigError  # noqa: E402
@@ -23,6 +25,7 @@ from kvprop.targets import build_engine  # noqa: E402
 from kvprop.targets.vllm_scheduler import refusal  # noqa: E402
 
 pytestmark = pytest.mark.vllm
+RELEASE = Version(vllm.__version__).release[:2]
 
 HYBRID = (FullAttention(4), SlidingWindow(4, 8))
 
@@ -121,3 +124,24 @@ def test_outputs_are_the_same_with_and_without_drafts():
         return request.tokens
 
     assert outputs(3) == outputs(0)
+
+
+def test_a_padded_decode_waits_forever_under_a_budget_below_one_plus_k():
+    """Found by ``kvprop fuzz --target vllm-scheduler`` on 0.33.0 (README): from 0.30.0 vLLM pads a
+    request whose hit leaves one token to 1 + K rows and schedules nothing when they exceed the
+    step's budget, so with max_num_batched_tokens 1 and K = 1 (which vLLM's config accepts for
+    n-gram drafting) r1 never runs. The target refuses such budgets; built directly, it shows."""
+    from kvprop.errors import Violation
+    from kvprop.targets.vllm_scheduler import SchedulerEngine
+
+    checker = Checker()
+    config = EngineConfig(AllocatorConfig((FullAttention(4),), 3), token_budget=1, speculative_tokens=1)
+    engine = SchedulerEngine(config, hooks=checker)
+    engine.add_request([1, 2, 1, 2], 1)
+    engine.add_request([1, 2, 1, 2, 0], 1)
+    try:
+        drain(engine, checker)
+        outcome = None
+    except Violation as v:
+        outcome = (v.kind, v.requests)
+    assert outcome == (("liveness", ("r1",)) if RELEASE >= (0, 30) else None)

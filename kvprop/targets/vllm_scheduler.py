@@ -128,6 +128,14 @@ def refusal(config: EngineConfig) -> str | None:
             f"lookahead slots are not driven through vLLM's scheduler (lookahead={config.lookahead}; allowed: 0): "
             "vLLM derives them from an EAGLE drafter's own forward pass, which kvprop does not model"
         )
+    if config.speculative_tokens and config.token_budget < 1 + config.speculative_tokens:
+        # vLLM 0.33.0 pads a request whose hit leaves one token to 1 + K rows and, when they do
+        # not fit the step's budget, schedules nothing rather than one row: with a budget under
+        # 1 + K such a request waits forever (README, "What the harness found in vLLM")
+        return (
+            f"with {config.speculative_tokens} drafts vLLM's scheduler needs a token budget of at least "
+            f"{1 + config.speculative_tokens} (token_budget={config.token_budget})"
+        )
     if config.connector != "off":
         return f"vLLM's connectors are not driven yet (connector={config.connector!r}; allowed: 'off')"
     return None
