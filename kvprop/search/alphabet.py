@@ -205,6 +205,8 @@ class FinishLoad:
         if not loading:
             return "no load in flight"
         rid = loading[self.index % len(loading)]
+        if not self.ok and not getattr(h.engine, "fails_loads", True):
+            return f"not made: this target cannot recover from a failed load of {rid} (docs/targets.md)"
         h.engine.finish_load(rid, bool(self.ok))
         return f"load of {rid} {'completed' if self.ok else 'failed'}"
 

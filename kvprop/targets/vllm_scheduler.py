@@ -33,9 +33,20 @@ import tempfile
 import warnings
 from types import SimpleNamespace
 
+import attrs
+
 from kvprop.allocator.specs import EngineConfig, Mamba
 from kvprop.errors import ConfigError, TargetCrash, Violation
-from kvprop.sim.engine import EV_EVICT, EV_PREEMPT, EV_SPEC_ACCEPT, EV_SPEC_REJECT, Engine, StepReport
+from kvprop.sim.engine import (
+    EV_ABORT_LOAD,
+    EV_EVICT,
+    EV_LOAD_FAIL,
+    EV_PREEMPT,
+    EV_SPEC_ACCEPT,
+    EV_SPEC_REJECT,
+    Engine,
+    StepReport,
+)
 from kvprop.sim.request import Status
 from kvprop.targets.vllm import (
     INSTALL_HINT,
@@ -63,7 +74,7 @@ def _import_scheduler() -> SimpleNamespace:
         try:
             from vllm import config as vc
             from vllm.v1.core.sched.scheduler import Scheduler
-            from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+            from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
             from vllm.v1.request import RequestStatus
             from vllm.v1.structured_output import StructuredOutputManager
         except ImportError as e:
@@ -76,6 +87,7 @@ def _import_scheduler() -> SimpleNamespace:
         config=vc,
         Scheduler=Scheduler,
         DraftTokenIds=DraftTokenIds,
+        KVConnectorOutput=KVConnectorOutput,
         ModelRunnerOutput=ModelRunnerOutput,
         RequestStatus=RequestStatus,
         StructuredOutputManager=StructuredOutputManager,
@@ -121,6 +133,14 @@ def _build(cls, what: str, **wanted):
     return cls(**out)
 
 
+def _tensor(v, layer: str, page: int, num_blocks: int):
+    """One layer's KV cache tensor of ``num_blocks`` pages: ``shared_by`` up to 0.25.x; from 0.30.0
+    a placement (layer-outermost: the layer's pages in a row)."""
+    if "shared_by" in inspect.signature(v.kvi.KVCacheTensor).parameters:
+        return v.kvi.KVCacheTensor(size=page * num_blocks, shared_by=[layer])
+    return v.kvi.KVCacheTensor(size=page * num_blocks, layers=[layer], layer_stride=page * num_blocks, block_stride=page)
+
+
 def refusal(config: EngineConfig) -> str | None:
     """Why this target cannot run ``config`` yet, or None."""
     if config.lookahead:
@@ -136,8 +156,6 @@ def refusal(config: EngineConfig) -> str | None:
             f"with {config.speculative_tokens} drafts vLLM's scheduler needs a token budget of at least "
             f"{1 + config.speculative_tokens} (token_budget={config.token_budget})"
         )
-    if config.connector != "off":
-        return f"vLLM's connectors are not driven yet (connector={config.connector!r}; allowed: 'off')"
     return None
 
 
@@ -187,6 +205,21 @@ def build_scheduler(config: EngineConfig):
                 prompt_lookup_max=config.speculative_tokens,
                 prompt_lookup_min=1,
             )
+        tensors = []
+        if config.connector != "off":
+            # vLLM's native CPU offloading, scheduler side; the worker side is kvprop's. The
+            # CPU tier is sized from the GPU tensors' bytes per block: twice the GPU pool.
+            page = [spec.page_size_bytes for spec in vllm_specs(alloc, v)]
+            tensors = [_tensor(v, f"layer{g}", bytes_, alloc.num_blocks) for g, bytes_ in enumerate(page)]
+            extra["kv_transfer_config"] = _build(
+                vc.KVTransferConfig,
+                "KVTransferConfig",
+                kv_connector="OffloadingConnector",
+                kv_role="kv_both",
+                kv_connector_extra_config={"cpu_bytes_to_use": 2 * sum(page) * alloc.num_blocks},
+                # a failed load is recomputed (the default fails the request instead)
+                kv_load_failure_policy="recompute",
+            )
         if alloc.enable_kv_cache_events:
             extra["kv_events_config"] = vc.KVEventsConfig(enable_kv_cache_events=True, publisher="null")
         vllm_config = vc.VllmConfig(
@@ -198,7 +231,7 @@ def build_scheduler(config: EngineConfig):
         )
         kv_cache_config = v.kvi.KVCacheConfig(
             num_blocks=alloc.num_blocks,
-            kv_cache_tensors=[],
+            kv_cache_tensors=tensors,
             kv_cache_groups=[v.kvi.KVCacheGroupSpec([f"layer{g}"], s) for g, s in enumerate(vllm_specs(alloc, v))],
             **retention.get("field", {}),
         )
@@ -236,6 +269,31 @@ def build_engine(config: EngineConfig, device=None, hooks=None, canary: bool = F
 build_engine.engine_target = True
 
 
+@attrs.define
+class Transfer:
+    """A job of vLLM's offloading connector the worker runs: a load (CPU blocks into the
+    request's GPU blocks) or a store (GPU blocks out to CPU blocks), pair by pair."""
+
+    job_id: int
+    request_id: str
+    load: bool
+    gpu: list  # (group, block id) per pair
+    cpu: list  # CPU block id per pair
+
+
+def _transfer(job_id: int, job, load: bool) -> Transfer:
+    """A job from the connector's metadata: ``transfer_spec`` (src, dst) up to 0.25.x,
+    ``src_spec``/``dst_spec`` from 0.30.0; the GPU side lists each group's blocks in turn."""
+    src, dst = job.transfer_spec if hasattr(job, "transfer_spec") else (job.src_spec, job.dst_spec)
+    gpu_spec, cpu_spec = (dst, src) if load else (src, dst)
+    gpu_ids, cpu_ids = [int(b) for b in gpu_spec.block_ids], [int(b) for b in cpu_spec.block_ids]
+    if len(gpu_ids) != len(cpu_ids):
+        raise NotImplementedError(f"offloaded blocks larger than GPU blocks: {len(gpu_ids)} vs {len(cpu_ids)}")
+    sizes = list(getattr(gpu_spec, "group_sizes", None) or [len(gpu_ids)])
+    groups = [g for g, n in enumerate(sizes) for _ in range(n)]
+    return Transfer(job_id, job.req_id, load, list(zip(groups, gpu_ids, strict=True)), cpu_ids)
+
+
 class _HookFailed(Exception):
     """Carries an error of kvprop's own hooks out through vLLM's code, so the step re-raises the
     original instead of reporting it as the target's crash."""
@@ -254,6 +312,11 @@ class SchedulerEngine(Engine):
         allocator.caller_contract = {}  # malformed calls go to the manager, never through this scheduler
         super().__init__(config, allocator, VllmView(allocator), device=device, hooks=hooks)
         self.tells_steps = False  # schedule() tells the manager itself
+        self.connector = None  # vLLM's own connector is in charge; kvprop plays its worker side
+        self.offloaded: dict[int, list[int]] = {}  # CPU block id -> the GPU block's slots stored there
+        self.transfers: dict[int, Transfer] = {}  # job id -> a transfer in flight
+        self.stores_due: list[int] = []  # store jobs that complete after the next forward pass
+        self.done: dict = {"jobs": set(), "recving": set(), "invalid": set()}  # for the next output
         self.worker: dict[str, list[list[int]]] = {}  # request id -> the block ids the worker holds, per group
         self.report: StepReport | None = None
         self._hook_error: BaseException | None = None
@@ -326,6 +389,8 @@ class SchedulerEngine(Engine):
 
     def _before_allocation(self, vreq, num_new_tokens, kwargs):
         request = self._mirror(vreq)
+        if request.status is Status.LOADING:
+            request.pending_external = 0  # vLLM schedules a load's request once the load is in its count
         seen = dict(kwargs)
         hits = seen.get("new_computed_blocks")
         if hits is not None:
@@ -338,15 +403,27 @@ class SchedulerEngine(Engine):
             + seen.get("num_new_computed_tokens", 0)
             + seen.get("num_external_computed_tokens", 0)
         )
-        if result is not None and request.status is Status.WAITING:
-            # vLLM admits what it allocated for: running from here on, with its hit computed
-            self.waiting.remove(request)
-            self.running.append(request)
-            request.status = Status.RUNNING
+        external = seen.get("num_external_computed_tokens", 0)
+        if result is not None and request.status in (Status.WAITING, Status.LOADING):
+            # vLLM admits what it allocated for: running from here on, with its hit computed,
+            # or loading while an asynchronous load (delay_cache_blocks) brings the rest
+            (self.waiting.remove(request) if request.status is Status.WAITING else self.loading.pop(request.request_id))
             request.num_computed_tokens = computed
+            if external and seen.get("delay_cache_blocks"):
+                # as kvprop's engine counts a load: computed locally, the rest pending
+                request.status, request.pending_external = Status.LOADING, external
+                request.num_computed_tokens = computed - external
+                self.loading[request.request_id] = request
+            else:
+                request.status, request.pending_external = Status.RUNNING, 0
+                self.running.append(request)
             if self.report is not None:
                 self.report.admitted.append(request.request_id)
         self.hooks.after_allocation(self, request, token, result, computed)
+        if result is not None and external:
+            tables = self.boundary.get_block_ids(request.request_id)
+            local = computed - external
+            self.hooks.at_handoff(self, request, tables, local, external)
 
     def _free(self, vreq) -> None:
         """vLLM's scheduler frees ``vreq``: the manager frees it, then kvprop mirrors it (the
@@ -361,11 +438,19 @@ class SchedulerEngine(Engine):
         if request is None:
             return
         self._forget_worker(request)
+        loading = self.loading.pop(request.request_id, None) is not None
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        if vreq.is_finished():
+        if loading and not vreq.is_finished():
+            # a failed load with nothing valid to keep: vLLM frees it and it waits to recompute
+            request.num_computed_tokens, request.pending_external = 0, 0
+            request.load_failed = True
+            request.status = Status.WAITING
+            self.waiting.appendleft(request)
+            self.events[EV_LOAD_FAIL] += 1
+        elif vreq.is_finished():
             # the tokens of its last output, which vLLM may have cached a block of before freeing
             self._catch_up(request, vreq)
             status = Status.ABORTED if vreq.status == self.s.RequestStatus.FINISHED_ABORTED else Status.FINISHED
@@ -437,11 +522,18 @@ class SchedulerEngine(Engine):
         self.report = None
         self._call("Scheduler.finish_requests", self.scheduler.finish_requests, request_id, status)
         request = self.requests.get(request_id)
-        if request is not None:  # vLLM held no blocks for it (a waiting request): it ends all the same
-            (self.running if request in self.running else self.waiting).remove(request)
-            self._forget_worker(request)
-            aborted = status == self.s.RequestStatus.FINISHED_ABORTED
-            self._retire(request, Status.ABORTED if aborted else Status.FINISHED)
+        if request is None:
+            return
+        if request_id in self.scheduler.requests:
+            # vLLM keeps the blocks of an aborted load until the worker reports it done
+            request.status = Status.ABORTING
+            self.events[EV_ABORT_LOAD] += 1
+            return
+        # vLLM held no blocks for it (a waiting request): it ends all the same
+        (self.running if request in self.running else self.waiting).remove(request)
+        self._forget_worker(request)
+        aborted = status == self.s.RequestStatus.FINISHED_ABORTED
+        self._retire(request, Status.ABORTED if aborted else Status.FINISHED)
 
     def preempt(self, request_id: str) -> None:
         from kvprop.errors import RequestError
@@ -473,6 +565,15 @@ class SchedulerEngine(Engine):
         try:
             output = self._call("Scheduler.schedule", self.scheduler.schedule)
             starts = self._hand_to_worker(output)
+            meta = getattr(output, "kv_connector_metadata", None)
+            due, self.stores_due = self.stores_due, []
+            if meta is not None:
+                for job_id in getattr(meta, "jobs_to_flush", None) or ():
+                    self._complete(job_id)  # before this pass overwrites the blocks it reads
+                for job_id, job in meta.load_jobs.items():
+                    self.transfers[job_id] = _transfer(job_id, job, load=True)
+                    if self.config.connector == "sync":
+                        self.finish_load(job.req_id, ok=True)
             for rid, n in output.num_scheduled_tokens.items():
                 report.scheduled[rid] = n
                 request = self.requests[rid]
@@ -483,6 +584,12 @@ class SchedulerEngine(Engine):
                     # CUDA graph for the batch): they are computed and then rejected like drafts
                     request.set_drafts(drafts)
             self._write_scheduled(report)
+            for job_id in due:  # stores issued a step ago read their blocks now
+                self._complete(job_id)
+            if meta is not None:
+                for job_id, job in meta.store_jobs.items():
+                    self.transfers[job_id] = _transfer(job_id, job, load=False)
+                    self.stores_due.append(job_id)
             model_output = self._model_output(output, starts)
             self._call("Scheduler.update_from_output", self.scheduler.update_from_output, output, model_output)
             self._take_outputs(report, output)
@@ -538,9 +645,76 @@ class SchedulerEngine(Engine):
                 accepted = len(sampled[-1]) - 1
                 request.num_computed_tokens = request.num_tokens + accepted
                 self._settle_states(request, accepted)
+        extra = {}
+        if self.scheduler.connector is not None:
+            extra["kv_connector_output"] = self._connector_output()
         return self.s.ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)}, sampled_token_ids=sampled
+            req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)}, sampled_token_ids=sampled, **extra
         )
+
+    # ---- the worker side of vLLM's offloading connector -------------------------------------
+
+    def _complete(self, job_id: int, ok: bool = True) -> None:
+        """Run transfer ``job_id`` now (a store reads its GPU blocks, a load writes them) and report
+        it with the next output. A failed load writes nothing and reports its blocks invalid."""
+        transfer = self.transfers.pop(job_id, None)
+        if transfer is None:
+            return
+        bs = self.block_size
+        if transfer.load and ok:
+            request = self.requests.get(transfer.request_id)
+            if request is not None:
+                self.hooks.before_load_write(self, request, transfer.gpu)
+            slots, values = [], []
+            for (_, block), cpu in zip(transfer.gpu, transfer.cpu, strict=True):
+                slots.extend(range(block * bs, (block + 1) * bs))
+                values.extend(self.offloaded.get(cpu, [-1] * bs))
+            self.memory.write(slots, values)
+        elif transfer.load:
+            self.done["invalid"].update(block for _, block in transfer.gpu)
+        else:
+            for (_, block), cpu in zip(transfer.gpu, transfer.cpu, strict=True):
+                self.offloaded[cpu] = self.memory.row(block)
+        self.done["jobs"].add(job_id)
+        if transfer.load:
+            self.done["recving"].add(transfer.request_id)
+
+    def _connector_output(self):
+        """What the worker reports: the jobs completed since the last output, the requests whose
+        loads finished, the blocks a failed load left invalid."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+
+        done, self.done = self.done, {"jobs": set(), "recving": set(), "invalid": set()}
+        return self.s.KVConnectorOutput(
+            finished_recving=done["recving"] or None,
+            kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=dict.fromkeys(done["jobs"], 1)),
+            invalid_block_ids=done["invalid"],
+        )
+
+    @property
+    def fails_loads(self) -> bool:
+        """Whether a failed load can be reported: vLLM's recovery for invalid blocks reads one
+        block table per request (``(req_block_ids,) = kv_cache_manager.get_block_ids(req_id)``
+        in ``Scheduler._update_requests_with_invalid_blocks``, marked TODO for hybrid models),
+        so with several groups any failed load crashes its scheduler (README). The release's
+        source is read as text to tell; nothing of it is run."""
+        if len(self.specs) == 1:
+            return True
+        source = inspect.getsource(type(self.scheduler)._update_requests_with_invalid_blocks)
+        return "(req_block_ids,) =" not in source
+
+    def finish_load(self, request_id: str, ok: bool) -> None:
+        """The worker's load for ``request_id`` completes (``ok``) or fails; vLLM hears of it with
+        the next step's output. Nothing happens for a load already completed and not yet seen."""
+        from kvprop.errors import RequestError
+
+        if request_id not in self.loading:
+            raise RequestError(f"finish_load: no load in flight for {request_id!r}; in flight: {sorted(self.loading)}")
+        if not ok and not self.fails_loads:
+            return
+        for job_id, transfer in list(self.transfers.items()):
+            if transfer.load and transfer.request_id == request_id:
+                self._complete(job_id, ok)
 
     def _take_outputs(self, report: StepReport, output) -> None:
         """kvprop's records brought up to vLLM's after the output (the tokens it appended, its
