@@ -19,6 +19,8 @@ from packaging.version import Version  # noqa: E402
 from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow  # noqa: E402
 from kvprop.check.checker import Checker, drain  # noqa: E402
 from kvprop.errors import ConfigError  # noqa: E402
+from kvprop.search import trace as tr  # noqa: E402
+from kvprop.search.execute import execute  # noqa: E402
 from kvprop.search.walk import plan, run_walk  # noqa: E402
 from kvprop.sim.engine import EV_PREEMPT, EV_SPEC_ACCEPT, EV_SPEC_REJECT  # noqa: E402
 from kvprop.targets import build_engine  # noqa: E402
@@ -72,11 +74,21 @@ def test_vllm_preempts_by_its_own_policy_under_pressure():
     assert (engine.events[EV_PREEMPT] > 0, engine.view.num_free_blocks) == (True, 8)
 
 
-def test_walks_are_clean():
-    """Clean, and mostly run: a release may refuse a shape itself (0.23.0: retention without a
-    sliding window), which is counted, not run."""
+def known_kinds() -> set:
+    """What walks find on this release, each triaged in the README (the tests below pin them)."""
+    kinds = set()
+    if RELEASE < (0, 24):
+        kinds.add("block-in-two-groups")
+    if RELEASE < (0, 30):
+        kinds |= {"liveness", "null-in-attended-range"}
+    return kinds
+
+
+def test_walks_find_nothing_but_the_triaged_bugs():
+    """Mostly run, too: a release may refuse a shape itself (0.23.0: retention without a sliding
+    window), which is counted, not run."""
     results = [run_walk(seed, target="vllm-scheduler") for seed in runnable_seeds(25)]
-    assert [(r.trace.seed, r.failure) for r in results if r.failure] == []
+    assert {r.failure.kind for r in results if r.failure} <= known_kinds()
     assert sum(r.steps_run > 0 for r in results) >= 12
 
 
@@ -145,3 +157,115 @@ def test_a_padded_decode_waits_forever_under_a_budget_below_one_plus_k():
     except Violation as v:
         outcome = (v.kind, v.requests)
     assert outcome == (("liveness", ("r1",)) if RELEASE >= (0, 30) else None)
+
+
+# ---- vLLM's offloading connector, scheduler side, with kvprop as its worker ------------------
+
+OLD_RELEASE = RELEASE < (0, 30)  # recovery from a failed load as 0.23.0 to 0.25.1 have it
+
+
+def full(bs):
+    return {"kind": "full", "block_size": bs}
+
+
+def scheduler_trace(groups, num_blocks, token_budget, connector, steps) -> tr.Trace:
+    config = {
+        "groups": groups,
+        "num_blocks": num_blocks,
+        "enable_caching": True,
+        "retention_interval": None,
+        "enable_kv_cache_events": False,
+        "token_budget": token_budget,
+        "lookahead": 0,
+        "connector": connector,
+        "vocab": 4,
+        "speculative_tokens": 0,
+    }
+    return tr.from_dict(
+        {"format": "kvprop-trace/1", "target": "vllm-scheduler", "config": config, "steps": steps, "drain": True}
+    )
+
+
+def add(parent, cut, extra, max_new_tokens):
+    return {"op": "AddRequest", "parent": parent, "cut": cut, "extra": extra, "seed": 0, "max_new_tokens": max_new_tokens}
+
+
+LARGE = {"op": "AddLargeRequest", "parent": 0, "seed": 0}
+
+# Minimised by `kvprop fuzz --target vllm-scheduler` on 0.23.0 (walk seed 395): two full-attention
+# groups, vLLM's offloading connector (loads completing in the step); r6's hit and external
+# blocks are taken group by group, so one group's new block is another group's hit.
+CROSS_GROUP = scheduler_trace(
+    [full(4), full(4)],
+    17,
+    11,
+    "sync",
+    [
+        add(0, 0, 1, 1),
+        {"op": "Step", "times": 1},
+        LARGE,
+        add(1, 0, 2, 1),
+        add(1, 6, 5, 3),
+        {"op": "Step", "times": 3},
+        add(1, 0, 1, 4),
+        LARGE,
+        add(2, 7, 1, 1),
+        add(1, 0, 1, 1),
+    ],
+)
+# Minimised on 0.24.0 (walk seed 32): a load that fails is recomputed, but its request stays
+# among the scheduler's in-flight prefills, whose reserved blocks then refuse its own retry.
+LOST_RESERVATION = scheduler_trace(
+    [full(1)],
+    4,
+    2,
+    "async",
+    [
+        LARGE,
+        {"op": "Step", "times": 1},
+        {"op": "ResetPrefixCache"},
+        LARGE,
+        {"op": "Step", "times": 2},
+        {"op": "FinishLoad", "index": 0, "ok": 0},
+    ],
+)
+# Minimised on 0.24.0 (walk seed 484): a failed load of a sliding-window request is recomputed
+# from its first invalid block, but the window's skipping already nulled the block before it.
+NULL_IN_WINDOW = scheduler_trace(
+    [{"kind": "sliding_window", "block_size": 8, "window": 2}],
+    13,
+    45,
+    "async",
+    [
+        add(0, 0, 1, 2),
+        LARGE,
+        add(0, 0, 1, 1),
+        add(0, 41, 1, 1),
+        {"op": "Step", "times": 4},
+        {"op": "FinishLoad", "index": 0, "ok": 0},
+    ],
+)
+
+
+def outcome(trace):
+    failure = execute(trace, target="vllm-scheduler")
+    return failure and failure.kind
+
+
+def test_the_cross_group_bug_reaches_vllms_offloading_connector_before_the_fix():
+    assert outcome(CROSS_GROUP) == ("block-in-two-groups" if RELEASE < (0, 24) else None)
+
+
+def test_a_failed_load_keeps_its_reservation_before_0_30():
+    assert outcome(LOST_RESERVATION) == ("liveness" if OLD_RELEASE else None)
+
+
+def test_a_failed_sliding_window_load_recomputes_without_its_window_before_0_30():
+    assert outcome(NULL_IN_WINDOW) == ("null-in-attended-range" if OLD_RELEASE else None)
+
+
+@pytest.mark.skipif(RELEASE >= (0, 24), reason="the cross-group bug was fixed in 0.24.0")
+def test_the_walker_finds_the_cross_group_bug_through_the_connector_from_scratch():
+    connector_seeds = [s for s in runnable_seeds(400) if plan(s).config.connector != "off"]
+    kinds = {run_walk(seed, target="vllm-scheduler").failure for seed in connector_seeds}
+    assert "block-in-two-groups" in {f.kind for f in kinds if f is not None}

@@ -301,6 +301,10 @@ class Finish:
         return bool(h.engine.running)
 
     def apply(self, h: Harness) -> str:
+        rid = _pick([r.request_id for r in h.engine.running], self.index)
+        why = getattr(h.engine, "why_not_finish", lambda rid: None)(rid) if rid is not None else None
+        if why:
+            return f"not made: {why}"
         return _on_running(h, self.index, h.engine.finish, "finished")
 
 

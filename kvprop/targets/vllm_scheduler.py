@@ -138,7 +138,8 @@ def _tensor(v, layer: str, page: int, num_blocks: int):
     a placement (layer-outermost: the layer's pages in a row)."""
     if "shared_by" in inspect.signature(v.kvi.KVCacheTensor).parameters:
         return v.kvi.KVCacheTensor(size=page * num_blocks, shared_by=[layer])
-    return v.kvi.KVCacheTensor(size=page * num_blocks, layers=[layer], layer_stride=page * num_blocks, block_stride=page)
+    size = page * num_blocks
+    return v.kvi.KVCacheTensor(size=size, layers=[layer], layer_stride=size, block_stride=page)
 
 
 def refusal(config: EngineConfig) -> str | None:
@@ -517,6 +518,16 @@ class SchedulerEngine(Engine):
                 f"finish: request {request_id!r} is {request.status.value}, only running ones can finish"
             )
         self._finish_in_vllm(request_id, self.s.RequestStatus.FINISHED_STOPPED)
+
+    def why_not_finish(self, request_id: str) -> str | None:
+        """vLLM stops a request only once it samples (a stop token, a length): a stop before its
+        prompt is computed is outside its caller contract, so it is not made. (Its offloading
+        connector then stores the whole prompt, computed or not: 0.30.0 and 0.33.0 take a
+        finished request's tokens as computed, ``_build_store_jobs``.)"""
+        request = self.requests[request_id]
+        if request.num_computed_tokens < request.num_prompt_tokens:
+            return f"{request_id} is still in prefill, and only sampling stops a request in vLLM"
+        return None
 
     def _finish_in_vllm(self, request_id: str, status) -> None:
         self.report = None
