@@ -165,7 +165,15 @@ def build_scheduler(config: EngineConfig):
     release (synchronous scheduling: the engine's other mode overlaps steps, not modelled)."""
     s = _import_scheduler()
     v, vc, alloc = s.v, s.config, config.allocator
-    bs, max_len = alloc.block_size, alloc.num_blocks * alloc.block_size
+    bs = alloc.block_size
+    # vLLM's engine refuses to start unless the KV cache holds one request of max_model_len
+    # (check_enough_kv_cache_memory): the longest request all groups' blocks fit, as kvprop's
+    # add_request bounds it. A longer one would let the scheduler pad a decode past what the
+    # pool can ever give it.
+    scratch = sum(getattr(spec, "speculative_blocks", 0) for spec in alloc.groups)
+    max_len = bs * ((alloc.usable_blocks - scratch) // len(alloc.groups))
+    if max_len < 1:
+        raise ConfigError(f"target 'vllm-scheduler': {alloc.usable_blocks} usable blocks hold no request of {alloc}")
     modes = {spec.mode for spec in alloc.groups if isinstance(spec, Mamba)}
     retention = _retention_setting(alloc, v)
     try:
