@@ -39,6 +39,8 @@ from kvprop.errors import ConfigError
 
 VLLM_FILES = ("block_pool.py", "kv_cache_coordinator.py", "kv_cache_manager.py", "single_type_kv_cache_manager.py")
 VLLM_SCHEDULER_FILES = ("sched/scheduler.py",)
+# the offloading connector's scheduler side, relative to the vllm package (0.23.0 on)
+VLLM_CONNECTOR_FILE = "distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py"
 NAMES = "'kvprop', 'vllm', 'vllm-scheduler' or 'package.module:factory'"  # as kvprop.targets (not imported here)
 MAX_OPS = 10_000
 PROGRESS_EVERY = 10.0
@@ -201,6 +203,10 @@ def _vllm_scope(target: str = "vllm") -> Scope:
         raise ConfigError(f"target {target!r}: this vLLM ({core}) has no {missing}; kvprop measures {list(names)}")
     measured = "vLLM's allocator" + (" and scheduler" if target == "vllm-scheduler" else "")
     measured += ": vllm/v1/core/" + ", ".join(names)
+    connector = core.parent.parent / VLLM_CONNECTOR_FILE
+    if target == "vllm-scheduler" and connector.is_file():
+        files.append(connector)
+        measured += f", vllm/{VLLM_CONNECTOR_FILE}"
     return _scope_of(files, [str(f.resolve()) for f in files], measured)
 
 

@@ -42,6 +42,7 @@ from kvprop.sim.engine import (
     EV_EVICT,
     EV_LOAD_FAIL,
     EV_PREEMPT,
+    EV_SKIP,
     EV_SPEC_ACCEPT,
     EV_SPEC_REJECT,
     Engine,
@@ -142,6 +143,15 @@ def _tensor(v, layer: str, page: int, num_blocks: int):
     return v.kvi.KVCacheTensor(size=size, layers=[layer], layer_stride=size, block_stride=page)
 
 
+def _cpu_block_bytes(page: int) -> int:
+    """What one block takes in vLLM's CPU tier: its pages, rounded up to the CPU spec's alignment
+    (from 0.30.0 a memory page, ``SharedOffloadRegion``; 1 before)."""
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+    align = int(getattr(CPUOffloadingSpec, "BLOCK_SIZE_ALIGNMENT", 1))
+    return -(-page // align) * align
+
+
 def refusal(config: EngineConfig) -> str | None:
     """Why this target cannot run ``config`` yet, or None."""
     if config.lookahead:
@@ -225,7 +235,7 @@ def build_scheduler(config: EngineConfig):
                 "KVTransferConfig",
                 kv_connector="OffloadingConnector",
                 kv_role="kv_both",
-                kv_connector_extra_config={"cpu_bytes_to_use": 2 * sum(page) * alloc.num_blocks},
+                kv_connector_extra_config={"cpu_bytes_to_use": 2 * alloc.num_blocks * _cpu_block_bytes(sum(page))},
                 # a failed load is recomputed (the default fails the request instead)
                 kv_load_failure_policy="recompute",
             )
@@ -347,11 +357,14 @@ class SchedulerEngine(Engine):
                 bound = inspect.signature(real_allocate).bind(vreq, num_new_tokens, *args, **kwargs)
                 kwargs = {k: val for k, val in bound.arguments.items() if k not in ("request", "num_new_tokens")}
             request, seen, token = self._hook(self._before_allocation, vreq, num_new_tokens, kwargs)
+            blocks = self.allocator.pool.blocks
+            cached_free = {b.block_id: b.block_hash for b in blocks if b.ref_cnt == 0 and b.block_hash is not None}
             try:
                 result = real_allocate(vreq, num_new_tokens, **kwargs)
             except Exception:
                 self._hook(self.hooks.allocation_crashed, self, request, token)
                 raise
+            self.allocator.num_evictions += sum(1 for b, h in cached_free.items() if blocks[b].block_hash != h)
             self._hook(self._after_allocation, request, seen, token, result)
             return result
 
@@ -403,7 +416,9 @@ class SchedulerEngine(Engine):
         seen = dict(kwargs)
         hits = seen.get("new_computed_blocks")
         if hits is not None:
-            seen["new_computed_blocks"] = Hits(hits)
+            seen["new_computed_blocks"] = hits = Hits(hits)
+            num_hit, external = seen.get("num_new_computed_tokens", 0), seen.get("num_external_computed_tokens", 0)
+            self._note_admission_events(request, hits, num_hit, external, num_new_tokens)
         return request, seen, self.hooks.before_allocation(self, request, num_new_tokens, seen)
 
     def _after_allocation(self, request, seen, token, result) -> None:
@@ -413,6 +428,8 @@ class SchedulerEngine(Engine):
             + seen.get("num_external_computed_tokens", 0)
         )
         external = seen.get("num_external_computed_tokens", 0)
+        if result is not None and any(spec.skipped_tokens(computed) >= self.block_size for spec in self.specs):
+            self.events[EV_SKIP] += 1
         if result is not None and request.status in (Status.WAITING, Status.LOADING):
             # vLLM admits what it allocated for: running from here on, with its hit computed,
             # or loading while an asynchronous load (delay_cache_blocks) brings the rest
