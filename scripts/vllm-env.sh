@@ -123,7 +123,7 @@ try:
     from kvprop.allocator.specs import AllocatorConfig, FullAttention, SlidingWindow
     from kvprop.allocator.specs import EngineConfig
     from kvprop.targets.vllm import make_target
-    from kvprop.targets.vllm_scheduler import build_scheduler
+    from kvprop.targets.vllm_setup import build_scheduler
 
     config = AllocatorConfig((FullAttention(4), SlidingWindow(4, 16)), 13)
     make_target(config)
@@ -256,7 +256,7 @@ assert vllm.__version__ == sys.argv[1], (vllm.__version__, sys.argv[1])
 from kvprop.allocator.specs import AllocatorConfig, FullAttention, SlidingWindow  # noqa: E402
 from kvprop.allocator.specs import EngineConfig  # noqa: E402
 from kvprop.targets.vllm import make_target  # noqa: E402
-from kvprop.targets.vllm_scheduler import build_scheduler  # noqa: E402
+from kvprop.targets.vllm_setup import build_scheduler  # noqa: E402
 
 config = AllocatorConfig((FullAttention(4), SlidingWindow(4, 16)), 13)
 allocator, view = make_target(config)

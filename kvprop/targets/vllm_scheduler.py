@@ -17,25 +17,17 @@ judges what the worker wrote through the scheduler's block ids.
 
 Speculative decoding runs as vLLM's n-gram drafting does: after each step the worker hands the
 scheduler kvprop's drafts (``update_draft_token_ids``), the next step schedules them, and the
-output carries the accepted ones and the token after them. Not driven yet (a configuration
-asking for one is refused, counted, never run): lookahead slots (an EAGLE drafter's), vLLM's
-connectors, and async scheduling. docs/targets.md says
-what each would need.
+output carries the accepted ones and the token after them. vLLM's offloading connector runs
+with kvprop as its worker (``kvprop.targets.vllm_offload``). Building the scheduler, and the
+shapes refused before anything is built, are ``kvprop.targets.vllm_setup``'s; docs/targets.md
+says what is not driven and why.
 """
 
 from __future__ import annotations
 
-import atexit
 import inspect
-import json
-import shutil
-import tempfile
-import warnings
-from types import SimpleNamespace
 
-import attrs
-
-from kvprop.allocator.specs import EngineConfig, Mamba
+from kvprop.allocator.specs import EngineConfig
 from kvprop.errors import ConfigError, TargetCrash, Violation
 from kvprop.sim.engine import (
     EV_ABORT_LOAD,
@@ -49,233 +41,14 @@ from kvprop.sim.engine import (
     StepReport,
 )
 from kvprop.sim.request import Status
-from kvprop.targets.vllm import (
-    INSTALL_HINT,
-    Hits,
-    VllmAllocator,
-    VllmView,
-    _environment,
-    _import_vllm,
-    _retention_setting,
-    vllm_specs,
-)
-
-_SCHED = None
-_MODEL_DIRS: dict[int, str] = {}
-
-
-def _import_scheduler() -> SimpleNamespace:
-    """vLLM's scheduler API, imported once; a missing piece is a ConfigError that says how to get it."""
-    global _SCHED
-    if _SCHED is not None:
-        return _SCHED
-    v = _import_vllm()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            from vllm import config as vc
-            from vllm.v1.core.sched.scheduler import Scheduler
-            from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
-            from vllm.v1.request import RequestStatus
-            from vllm.v1.structured_output import StructuredOutputManager
-        except ImportError as e:
-            raise ConfigError(
-                f"target 'vllm-scheduler' needs vLLM's scheduler importable, but importing it failed ({e}); "
-                f"{INSTALL_HINT}"
-            ) from e
-    _SCHED = SimpleNamespace(
-        v=v,
-        config=vc,
-        Scheduler=Scheduler,
-        DraftTokenIds=DraftTokenIds,
-        KVConnectorOutput=KVConnectorOutput,
-        ModelRunnerOutput=ModelRunnerOutput,
-        RequestStatus=RequestStatus,
-        StructuredOutputManager=StructuredOutputManager,
-    )
-    return _SCHED
-
-
-def _model_dir(vocab: int) -> str:
-    """A directory holding only the ``config.json`` of a tiny Llama: vLLM's ``ModelConfig`` reads
-    the architecture from it; no weights and no tokenizer are ever loaded. Removed at exit."""
-    path = _MODEL_DIRS.get(vocab)
-    if path is None:
-        path = _MODEL_DIRS[vocab] = tempfile.mkdtemp(prefix="kvprop-vllm-model-")
-        atexit.register(shutil.rmtree, path, True)
-        tiny = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "num_hidden_layers": 2,
-            "vocab_size": max(vocab, 32),
-            "max_position_embeddings": 1 << 20,
-            "rms_norm_eps": 1e-5,
-            "torch_dtype": "float32",
-        }
-        with open(f"{path}/config.json", "w") as f:
-            json.dump(tiny, f)
-    return path
-
-
-def _build(cls, what: str, **wanted):
-    """``cls(**wanted)`` with only the keyword arguments this release's ``cls`` accepts; one it
-    lacks is dropped only at its neutral value (as the manager target's calls)."""
-    params = set(inspect.signature(cls).parameters)
-    out = {}
-    for name, value in wanted.items():
-        if name in params:
-            out[name] = value
-        elif value not in (None, 0, False):
-            raise ConfigError(f"target 'vllm-scheduler': this vLLM's {what} has no parameter {name!r}")
-    return cls(**out)
-
-
-def _tensor(v, layer: str, page: int, num_blocks: int):
-    """One layer's KV cache tensor of ``num_blocks`` pages: ``shared_by`` up to 0.25.x; from 0.30.0
-    a placement (layer-outermost: the layer's pages in a row)."""
-    if "shared_by" in inspect.signature(v.kvi.KVCacheTensor).parameters:
-        return v.kvi.KVCacheTensor(size=page * num_blocks, shared_by=[layer])
-    size = page * num_blocks
-    return v.kvi.KVCacheTensor(size=size, layers=[layer], layer_stride=size, block_stride=page)
-
-
-def _cpu_block_bytes(page: int) -> int:
-    """What one block takes in vLLM's CPU tier: its pages, rounded up to the CPU spec's alignment
-    (from 0.30.0 a memory page, ``SharedOffloadRegion``; 1 before)."""
-    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
-
-    align = int(getattr(CPUOffloadingSpec, "BLOCK_SIZE_ALIGNMENT", 1))
-    return -(-page // align) * align
-
-
-def refusal(config: EngineConfig) -> str | None:
-    """Why this target cannot run ``config`` yet, or None."""
-    if config.lookahead:
-        return (
-            f"lookahead slots are not driven through vLLM's scheduler (lookahead={config.lookahead}; allowed: 0): "
-            "vLLM derives them from an EAGLE drafter's own forward pass, which kvprop does not model"
-        )
-    if config.speculative_tokens and config.token_budget < 1 + config.speculative_tokens:
-        # vLLM 0.33.0 pads a request whose hit leaves one token to 1 + K rows and, when they do
-        # not fit the step's budget, schedules nothing rather than one row: with a budget under
-        # 1 + K such a request waits forever (README, "What the harness found in vLLM")
-        return (
-            f"with {config.speculative_tokens} drafts vLLM's scheduler needs a token budget of at least "
-            f"{1 + config.speculative_tokens} (token_budget={config.token_budget})"
-        )
-    return None
-
-
-def build_scheduler(config: EngineConfig):
-    """vLLM's ``Scheduler`` for ``config``, configured as vLLM's engine configures it for this
-    release (synchronous scheduling: the engine's other mode overlaps steps, not modelled)."""
-    s = _import_scheduler()
-    v, vc, alloc = s.v, s.config, config.allocator
-    bs = alloc.block_size
-    # vLLM's engine refuses to start unless the KV cache holds one request of max_model_len
-    # (check_enough_kv_cache_memory): the longest request all groups' blocks fit, as kvprop's
-    # add_request bounds it. A longer one would let the scheduler pad a decode past what the
-    # pool can ever give it.
-    scratch = sum(getattr(spec, "speculative_blocks", 0) for spec in alloc.groups)
-    max_len = bs * ((alloc.usable_blocks - scratch) // len(alloc.groups))
-    if max_len < 1:
-        raise ConfigError(f"target 'vllm-scheduler': {alloc.usable_blocks} usable blocks hold no request of {alloc}")
-    modes = {spec.mode for spec in alloc.groups if isinstance(spec, Mamba)}
-    retention = _retention_setting(alloc, v)
-    try:
-        model = _build(
-            vc.ModelConfig,
-            "ModelConfig",
-            model=_model_dir(config.vocab),
-            skip_tokenizer_init=True,
-            dtype="float32",
-            max_model_len=max_len,
-        )
-        cache = _build(
-            vc.CacheConfig,
-            "CacheConfig",
-            block_size=bs,
-            enable_prefix_caching=alloc.enable_caching,
-            **({"mamba_cache_mode": modes.pop()} if modes else {}),
-        )
-        cache.num_gpu_blocks = alloc.num_blocks
-        scheduler_config = _build(
-            vc.SchedulerConfig,
-            "SchedulerConfig",
-            max_num_seqs=min(config.token_budget, 128),
-            max_num_batched_tokens=config.token_budget,
-            max_model_len=max_len,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=False,
-            async_scheduling=False,
-        )
-        extra = {}
-        if config.speculative_tokens:
-            # n-gram drafting: drafts come from the worker after each step, no lookahead slots
-            extra["speculative_config"] = _build(
-                vc.SpeculativeConfig,
-                "SpeculativeConfig",
-                method="ngram",
-                num_speculative_tokens=config.speculative_tokens,
-                prompt_lookup_max=config.speculative_tokens,
-                prompt_lookup_min=1,
-            )
-        tensors = []
-        if config.connector != "off":
-            # vLLM's native CPU offloading, scheduler side; the worker side is kvprop's. The
-            # CPU tier is sized from the GPU tensors' bytes per block: twice the GPU pool.
-            page = [spec.page_size_bytes for spec in vllm_specs(alloc, v)]
-            tensors = [_tensor(v, f"layer{g}", bytes_, alloc.num_blocks) for g, bytes_ in enumerate(page)]
-            extra["kv_transfer_config"] = _build(
-                vc.KVTransferConfig,
-                "KVTransferConfig",
-                kv_connector="OffloadingConnector",
-                kv_role="kv_both",
-                kv_connector_extra_config={"cpu_bytes_to_use": 2 * alloc.num_blocks * _cpu_block_bytes(sum(page))},
-                # a failed load is recomputed (the default fails the request instead)
-                kv_load_failure_policy="recompute",
-            )
-        if alloc.enable_kv_cache_events:
-            extra["kv_events_config"] = vc.KVEventsConfig(enable_kv_cache_events=True, publisher="null")
-        vllm_config = vc.VllmConfig(
-            model_config=model,
-            cache_config=cache,
-            scheduler_config=scheduler_config,
-            device_config=vc.DeviceConfig(device="cpu"),
-            **extra,
-        )
-        kv_cache_config = v.kvi.KVCacheConfig(
-            num_blocks=alloc.num_blocks,
-            kv_cache_tensors=tensors,
-            kv_cache_groups=[v.kvi.KVCacheGroupSpec([f"layer{g}"], s) for g, s in enumerate(vllm_specs(alloc, v))],
-            **retention.get("field", {}),
-        )
-        with _environment(retention.get("env", {})):
-            return s.Scheduler(
-                vllm_config=vllm_config,
-                kv_cache_config=kv_cache_config,
-                structured_output_manager=s.StructuredOutputManager(vllm_config),
-                block_size=bs,
-                log_stats=False,
-            )
-    except ConfigError:
-        raise
-    except ModuleNotFoundError as e:
-        raise ConfigError(f"target 'vllm-scheduler': vLLM {v.version} needs {e.name!r}; {INSTALL_HINT}") from e
-    except (AssertionError, ValueError, TypeError, NotImplementedError) as e:
-        raise ConfigError(
-            f"target 'vllm-scheduler': vLLM {v.version} cannot build a scheduler for {config}: "
-            f"{type(e).__name__}: {str(e)[:400]}"
-        ) from e
+from kvprop.targets.vllm import Hits, VllmAllocator, VllmView
+from kvprop.targets.vllm_offload import OffloadWorker
+from kvprop.targets.vllm_setup import build_scheduler, import_scheduler, refusal
 
 
 def build_engine(config: EngineConfig, device=None, hooks=None, canary: bool = False):
     """The target's entry point (``kvprop.targets.ENGINE_TARGETS``): it builds the whole engine."""
-    _import_scheduler()  # without vLLM every configuration is refused for that reason, with the way out
+    import_scheduler()  # without vLLM every configuration is refused for that reason, with the way out
     why = refusal(config)
     if why:
         raise ConfigError(f"target 'vllm-scheduler': {why}")
@@ -288,54 +61,26 @@ def build_engine(config: EngineConfig, device=None, hooks=None, canary: bool = F
 build_engine.engine_target = True
 
 
-@attrs.define
-class Transfer:
-    """A job of vLLM's offloading connector the worker runs: a load (CPU blocks into the
-    request's GPU blocks) or a store (GPU blocks out to CPU blocks), pair by pair."""
-
-    job_id: int
-    request_id: str
-    load: bool
-    gpu: list  # (group, block id) per pair
-    cpu: list  # CPU block id per pair
-
-
-def _transfer(job_id: int, job, load: bool) -> Transfer:
-    """A job from the connector's metadata: ``transfer_spec`` (src, dst) up to 0.25.x,
-    ``src_spec``/``dst_spec`` from 0.30.0; the GPU side lists each group's blocks in turn."""
-    src, dst = job.transfer_spec if hasattr(job, "transfer_spec") else (job.src_spec, job.dst_spec)
-    gpu_spec, cpu_spec = (dst, src) if load else (src, dst)
-    gpu_ids, cpu_ids = [int(b) for b in gpu_spec.block_ids], [int(b) for b in cpu_spec.block_ids]
-    if len(gpu_ids) != len(cpu_ids):
-        raise NotImplementedError(f"offloaded blocks larger than GPU blocks: {len(gpu_ids)} vs {len(cpu_ids)}")
-    sizes = list(getattr(gpu_spec, "group_sizes", None) or [len(gpu_ids)])
-    groups = [g for g, n in enumerate(sizes) for _ in range(n)]
-    return Transfer(job_id, job.req_id, load, list(zip(groups, gpu_ids, strict=True)), cpu_ids)
-
-
 class _HookFailed(Exception):
     """Carries an error of kvprop's own hooks out through vLLM's code, so the step re-raises the
     original instead of reporting it as the target's crash."""
 
 
-class SchedulerEngine(Engine):
+class SchedulerEngine(OffloadWorker, Engine):
     """kvprop's engine with vLLM's scheduler in charge of every step."""
 
     preempts_on_request = False  # vLLM's scheduler preempts by its own policy, under pressure
 
     def __init__(self, config: EngineConfig, device=None, hooks=None):
         self.scheduler = build_scheduler(config)
-        self.s = _import_scheduler()
+        self.s = import_scheduler()
         manager = self.scheduler.kv_cache_manager
         allocator = VllmAllocator.around(config.allocator, manager)
         allocator.caller_contract = {}  # malformed calls go to the manager, never through this scheduler
         super().__init__(config, allocator, VllmView(allocator), device=device, hooks=hooks)
         self.tells_steps = False  # schedule() tells the manager itself
         self.connector = None  # vLLM's own connector is in charge; kvprop plays its worker side
-        self.offloaded: dict[int, list[int]] = {}  # CPU block id -> the GPU block's slots stored there
-        self.transfers: dict[int, Transfer] = {}  # job id -> a transfer in flight
-        self.stores_due: list[int] = []  # store jobs that complete after the next forward pass
-        self.done: dict = {"jobs": set(), "recving": set(), "invalid": set()}  # for the next output
+        self._init_transfers()
         self.worker: dict[str, list[list[int]]] = {}  # request id -> the block ids the worker holds, per group
         self.report: StepReport | None = None
         self._hook_error: BaseException | None = None
@@ -604,12 +349,7 @@ class SchedulerEngine(Engine):
             meta = getattr(output, "kv_connector_metadata", None)
             due, self.stores_due = self.stores_due, []
             if meta is not None:
-                for job_id in getattr(meta, "jobs_to_flush", None) or ():
-                    self._complete(job_id)  # before this pass overwrites the blocks it reads
-                for job_id, job in meta.load_jobs.items():
-                    self.transfers[job_id] = _transfer(job_id, job, load=True)
-                    if self.config.connector == "sync":
-                        self.finish_load(job.req_id, ok=True)
+                self._start_transfers(meta)
             for rid, n in output.num_scheduled_tokens.items():
                 report.scheduled[rid] = n
                 request = self.requests[rid]
@@ -620,12 +360,7 @@ class SchedulerEngine(Engine):
                     # CUDA graph for the batch): they are computed and then rejected like drafts
                     request.set_drafts(drafts)
             self._write_scheduled(report)
-            for job_id in due:  # stores issued a step ago read their blocks now
-                self._complete(job_id)
-            if meta is not None:
-                for job_id, job in meta.store_jobs.items():
-                    self.transfers[job_id] = _transfer(job_id, job, load=False)
-                    self.stores_due.append(job_id)
+            self._after_pass(meta, due)
             model_output = self._model_output(output, starts)
             self._call("Scheduler.update_from_output", self.scheduler.update_from_output, output, model_output)
             self._take_outputs(report, output)
@@ -689,68 +424,6 @@ class SchedulerEngine(Engine):
         )
 
     # ---- the worker side of vLLM's offloading connector -------------------------------------
-
-    def _complete(self, job_id: int, ok: bool = True) -> None:
-        """Run transfer ``job_id`` now (a store reads its GPU blocks, a load writes them) and report
-        it with the next output. A failed load writes nothing and reports its blocks invalid."""
-        transfer = self.transfers.pop(job_id, None)
-        if transfer is None:
-            return
-        bs = self.block_size
-        if transfer.load and ok:
-            request = self.requests.get(transfer.request_id)
-            if request is not None:
-                self.hooks.before_load_write(self, request, transfer.gpu)
-            slots, values = [], []
-            for (_, block), cpu in zip(transfer.gpu, transfer.cpu, strict=True):
-                slots.extend(range(block * bs, (block + 1) * bs))
-                values.extend(self.offloaded.get(cpu, [-1] * bs))
-            self.memory.write(slots, values)
-        elif transfer.load:
-            self.done["invalid"].update(block for _, block in transfer.gpu)
-        else:
-            for (_, block), cpu in zip(transfer.gpu, transfer.cpu, strict=True):
-                self.offloaded[cpu] = self.memory.row(block)
-        self.done["jobs"].add(job_id)
-        if transfer.load:
-            self.done["recving"].add(transfer.request_id)
-
-    def _connector_output(self):
-        """What the worker reports: the jobs completed since the last output, the requests whose
-        loads finished, the blocks a failed load left invalid."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
-
-        done, self.done = self.done, {"jobs": set(), "recving": set(), "invalid": set()}
-        return self.s.KVConnectorOutput(
-            finished_recving=done["recving"] or None,
-            kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=dict.fromkeys(done["jobs"], 1)),
-            invalid_block_ids=done["invalid"],
-        )
-
-    @property
-    def fails_loads(self) -> bool:
-        """Whether a failed load can be reported: vLLM's recovery for invalid blocks reads one
-        block table per request (``(req_block_ids,) = kv_cache_manager.get_block_ids(req_id)``
-        in ``Scheduler._update_requests_with_invalid_blocks``, marked TODO for hybrid models),
-        so with several groups any failed load crashes its scheduler (README). The release's
-        source is read as text to tell; nothing of it is run."""
-        if len(self.specs) == 1:
-            return True
-        source = inspect.getsource(type(self.scheduler)._update_requests_with_invalid_blocks)
-        return "(req_block_ids,) =" not in source
-
-    def finish_load(self, request_id: str, ok: bool) -> None:
-        """The worker's load for ``request_id`` completes (``ok``) or fails; vLLM hears of it with
-        the next step's output. Nothing happens for a load already completed and not yet seen."""
-        from kvprop.errors import RequestError
-
-        if request_id not in self.loading:
-            raise RequestError(f"finish_load: no load in flight for {request_id!r}; in flight: {sorted(self.loading)}")
-        if not ok and not self.fails_loads:
-            return
-        for job_id, transfer in list(self.transfers.items()):
-            if transfer.load and transfer.request_id == request_id:
-                self._complete(job_id, ok)
 
     def _take_outputs(self, report: StepReport, output) -> None:
         """kvprop's records brought up to vLLM's after the output (the tokens it appended, its

@@ -1,0 +1,130 @@
+"""The worker side of vLLM's offloading connector, played by kvprop for ``--target vllm-scheduler``.
+
+vLLM's ``OffloadingConnector`` decides, on the scheduler side, which blocks go to its CPU tier
+and which come back; each step's ``OffloadingConnectorMetadata`` lists the jobs. This module
+runs them against kvprop's paged memory and a CPU tier of its own (one row of slot values per
+CPU block), so the data oracle sees exactly what a transfer moved and when: a store reads its
+GPU blocks after the next step's pass unless the scheduler asks for a flush first, a load
+writes its blocks when it completes. Completions go back the way the release reads them.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import attrs
+
+
+@attrs.define
+class Transfer:
+    """A job of vLLM's offloading connector the worker runs: a load (CPU blocks into the
+    request's GPU blocks) or a store (GPU blocks out to CPU blocks), pair by pair."""
+
+    job_id: int
+    request_id: str
+    load: bool
+    gpu: list  # (group, block id) per pair
+    cpu: list  # CPU block id per pair
+
+
+def transfer_from(job_id: int, job, load: bool) -> Transfer:
+    """A job from the connector's metadata: ``transfer_spec`` (src, dst) up to 0.25.x,
+    ``src_spec``/``dst_spec`` from 0.30.0; the GPU side lists each group's blocks in turn."""
+    src, dst = job.transfer_spec if hasattr(job, "transfer_spec") else (job.src_spec, job.dst_spec)
+    gpu_spec, cpu_spec = (dst, src) if load else (src, dst)
+    gpu_ids, cpu_ids = [int(b) for b in gpu_spec.block_ids], [int(b) for b in cpu_spec.block_ids]
+    if len(gpu_ids) != len(cpu_ids):
+        raise NotImplementedError(f"offloaded blocks larger than GPU blocks: {len(gpu_ids)} vs {len(cpu_ids)}")
+    sizes = list(getattr(gpu_spec, "group_sizes", None) or [len(gpu_ids)])
+    groups = [g for g, n in enumerate(sizes) for _ in range(n)]
+    return Transfer(job_id, job.req_id, load, list(zip(groups, gpu_ids, strict=True)), cpu_ids)
+
+
+class OffloadWorker:
+    """Engine mixin: the worker's transfers and its CPU tier."""
+
+    def _init_transfers(self) -> None:
+        self.offloaded: dict[int, list[int]] = {}  # CPU block id -> the GPU block's slots stored there
+        self.transfers: dict[int, Transfer] = {}  # job id -> a transfer in flight
+        self.stores_due: list[int] = []  # store jobs that complete after the next forward pass
+        self.done: dict = {"jobs": set(), "recving": set(), "invalid": set()}  # for the next output
+
+    def _start_transfers(self, meta) -> None:
+        """Before the pass: flush the stores a reused block still owes, take the new loads (run at
+        once with connector "sync")."""
+        for job_id in getattr(meta, "jobs_to_flush", None) or ():
+            self._complete(job_id)  # before this pass overwrites the blocks it reads
+        for job_id, job in meta.load_jobs.items():
+            self.transfers[job_id] = transfer_from(job_id, job, load=True)
+            if self.config.connector == "sync":
+                self.finish_load(job.req_id, ok=True)
+
+    def _after_pass(self, meta, due: list[int]) -> None:
+        """After the pass: the stores issued a step ago read their blocks; this step's wait."""
+        for job_id in due:
+            self._complete(job_id)
+        for job_id, job in meta.store_jobs.items() if meta is not None else ():
+            self.transfers[job_id] = transfer_from(job_id, job, load=False)
+            self.stores_due.append(job_id)
+
+    def _complete(self, job_id: int, ok: bool = True) -> None:
+        """Run transfer ``job_id`` now (a store reads its GPU blocks, a load writes them) and report
+        it with the next output. A failed load writes nothing and reports its blocks invalid."""
+        transfer = self.transfers.pop(job_id, None)
+        if transfer is None:
+            return
+        bs = self.block_size
+        if transfer.load and ok:
+            request = self.requests.get(transfer.request_id)
+            if request is not None:
+                self.hooks.before_load_write(self, request, transfer.gpu)
+            slots, values = [], []
+            for (_, block), cpu in zip(transfer.gpu, transfer.cpu, strict=True):
+                slots.extend(range(block * bs, (block + 1) * bs))
+                values.extend(self.offloaded.get(cpu, [-1] * bs))
+            self.memory.write(slots, values)
+        elif transfer.load:
+            self.done["invalid"].update(block for _, block in transfer.gpu)
+        else:
+            for (_, block), cpu in zip(transfer.gpu, transfer.cpu, strict=True):
+                self.offloaded[cpu] = self.memory.row(block)
+        self.done["jobs"].add(job_id)
+        if transfer.load:
+            self.done["recving"].add(transfer.request_id)
+
+    def _connector_output(self):
+        """What the worker reports: the jobs completed since the last output, the requests whose
+        loads finished, the blocks a failed load left invalid."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+
+        done, self.done = self.done, {"jobs": set(), "recving": set(), "invalid": set()}
+        return self.s.KVConnectorOutput(
+            finished_recving=done["recving"] or None,
+            kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=dict.fromkeys(done["jobs"], 1)),
+            invalid_block_ids=done["invalid"],
+        )
+
+    @property
+    def fails_loads(self) -> bool:
+        """Whether a failed load can be reported: vLLM's recovery for invalid blocks reads one
+        block table per request (``(req_block_ids,) = kv_cache_manager.get_block_ids(req_id)``
+        in ``Scheduler._update_requests_with_invalid_blocks``, marked TODO for hybrid models),
+        so with several groups any failed load crashes its scheduler (README). The release's
+        source is read as text to tell; nothing of it is run."""
+        if len(self.specs) == 1:
+            return True
+        source = inspect.getsource(type(self.scheduler)._update_requests_with_invalid_blocks)
+        return "(req_block_ids,) =" not in source
+
+    def finish_load(self, request_id: str, ok: bool) -> None:
+        """The worker's load for ``request_id`` completes (``ok``) or fails; vLLM hears of it with
+        the next step's output. Nothing happens for a load already completed and not yet seen."""
+        from kvprop.errors import RequestError
+
+        if request_id not in self.loading:
+            raise RequestError(f"finish_load: no load in flight for {request_id!r}; in flight: {sorted(self.loading)}")
+        if not ok and not self.fails_loads:
+            return
+        for job_id, transfer in list(self.transfers.items()):
+            if transfer.load and transfer.request_id == request_id:
+                self._complete(job_id, ok)
