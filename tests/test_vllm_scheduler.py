@@ -170,7 +170,7 @@ def full(bs):
     return {"kind": "full", "block_size": bs}
 
 
-def scheduler_trace(groups, num_blocks, token_budget, connector, steps) -> tr.Trace:
+def scheduler_trace(groups, num_blocks, token_budget, connector, steps, drafts=0) -> tr.Trace:
     config = {
         "groups": groups,
         "num_blocks": num_blocks,
@@ -181,7 +181,7 @@ def scheduler_trace(groups, num_blocks, token_budget, connector, steps) -> tr.Tr
         "lookahead": 0,
         "connector": connector,
         "vocab": 4,
-        "speculative_tokens": 0,
+        "speculative_tokens": drafts,
     }
     return tr.from_dict(
         {"format": "kvprop-trace/1", "target": "vllm-scheduler", "config": config, "steps": steps, "drain": True}
@@ -262,6 +262,13 @@ ONE_TOKEN_RELOAD = scheduler_trace(
 )
 
 
+# Minimised on 0.33.0 (kvprop fuzz --target vllm-scheduler --seed 0): r1's prefix is in the
+# CPU tier, so it is admitted through an asynchronous load, which 0.33.0 admits only if its
+# blocks fit besides the blocks one speculative decode step needs (_spec_decode_step_blocks,
+# 3 here); a request as long as the pool allows then never fits, with the pool empty.
+SPEC_STEP_RESERVATION = scheduler_trace([full(2)], 5, 5, "sync", [add(0, 0, 1, 5), add(0, 0, 4, 1)], drafts=4)
+
+
 def outcome(trace):
     failure = execute(trace, target="vllm-scheduler")
     return failure and failure.kind
@@ -273,6 +280,10 @@ def test_the_cross_group_bug_reaches_vllms_offloading_connector_before_the_fix()
 
 def test_a_one_token_prompt_is_loaded_again_and_again():
     assert outcome(ONE_TOKEN_RELOAD) == "connector-handoff"
+
+
+def test_a_load_reserves_a_speculative_step_the_pool_cannot_spare_from_0_33():
+    assert outcome(SPEC_STEP_RESERVATION) == ("liveness" if RELEASE >= (0, 33) else None)
 
 
 def test_a_failed_load_keeps_its_reservation():

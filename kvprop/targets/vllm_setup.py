@@ -221,7 +221,7 @@ def build_scheduler(config: EngineConfig):
                 kv_cache_config=kv_cache_config,
                 structured_output_manager=s.StructuredOutputManager(vllm_config),
                 block_size=bs,
-                log_stats=False,
+                log_stats=True,  # a served engine logs statistics unless told not to (--disable-log-stats)
             )
     except ConfigError:
         raise
