@@ -81,7 +81,8 @@ def known_kinds() -> set:
         kinds.add("block-in-two-groups")
     if RELEASE < (0, 30):
         kinds.add("null-in-attended-range")
-    # in every release measured: a failed load's lost reservation, a one-token prompt reloaded
+    # in every release measured from 0.23.0: a failed load's lost reservation; in every one, a
+    # one-token prompt reloaded
     kinds |= {"liveness", "connector-handoff"}
     return kinds
 
@@ -91,7 +92,8 @@ def test_walks_find_nothing_but_the_triaged_bugs():
     window), which is counted, not run."""
     results = [run_walk(seed, target="vllm-scheduler") for seed in runnable_seeds(25)]
     assert {r.failure.kind for r in results if r.failure} <= known_kinds()
-    assert sum(r.steps_run > 0 for r in results) >= 12
+    # 0.22.1 has no prefix-cache retention and refuses every shape the sampler gives an interval
+    assert sum(r.steps_run > 0 for r in results) >= (12 if RELEASE >= (0, 23) else 5)
 
 
 def test_the_canary_is_found_through_vllms_scheduler():
@@ -286,8 +288,9 @@ def test_a_load_reserves_a_speculative_step_the_pool_cannot_spare_from_0_33():
     assert outcome(SPEC_STEP_RESERVATION) == ("liveness" if RELEASE >= (0, 33) else None)
 
 
-def test_a_failed_load_keeps_its_reservation():
-    assert outcome(LOST_RESERVATION) == "liveness"
+def test_a_failed_load_keeps_its_reservation_from_0_23():
+    """0.23.0 introduced the reservation for loads in flight (``_inflight_prefills``)."""
+    assert outcome(LOST_RESERVATION) == ("liveness" if RELEASE >= (0, 23) else None)
 
 
 def test_a_failed_sliding_window_load_recomputes_without_its_window_before_0_30():
