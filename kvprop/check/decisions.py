@@ -56,11 +56,11 @@ def capacity_bounds(
         generous += max(0, cdiv(slots, bs) - max(skipped, len(group_hits))) + sum(i >= skipped for i in evictable)
         conservative += max(0, cdiv(slots, bs) - len(group_hits)) + len(evictable)
     if kwargs.get("full_sequence_must_fit") and request.num_tokens > main:
-        # vLLM's admission gate (its scheduler's, 0.30.0 on): the whole sequence must fit too
+        # vLLM's admission gate (its scheduler's, 0.24.0 on): the whole sequence must fit too
         whole = {**kwargs, "full_sequence_must_fit": False, "num_lookahead_tokens": 0}
         gate = capacity_bounds(engine, request, request.num_tokens - computed, whole, tables, same_step_states)
         conservative = max(conservative, gate[1])
-    # blocks vLLM's scheduler keeps back for the prefills of loads in flight (0.30.0 on)
+    # blocks vLLM's scheduler keeps back for loads and prefills in flight (0.24.0 on)
     conservative += kwargs.get("reserved_blocks", 0)
     return generous, conservative, view.num_free_blocks, freed
 

@@ -47,7 +47,8 @@ from kvprop.targets.vllm_setup import build_scheduler, import_scheduler, refusal
 
 
 def build_engine(config: EngineConfig, device=None, hooks=None, canary: bool = False):
-    """The target's entry point (``kvprop.targets.ENGINE_TARGETS``): it builds the whole engine."""
+    """The target's entry point (``kvprop.targets.BUILTIN``): it builds the whole engine, which
+    ``engine_target`` tells ``kvprop.targets.build_engine``."""
     import_scheduler()  # without vLLM every configuration is refused for that reason, with the way out
     why = refusal(config)
     if why:
