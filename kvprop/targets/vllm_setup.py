@@ -121,9 +121,9 @@ def refusal(config: EngineConfig) -> str | None:
             "vLLM derives them from an EAGLE drafter's own forward pass, which kvprop does not model"
         )
     if config.speculative_tokens and config.token_budget < 1 + config.speculative_tokens:
-        # vLLM 0.33.0 pads a request whose hit leaves one token to 1 + K rows and, when they do
-        # not fit the step's budget, schedules nothing rather than one row: with a budget under
-        # 1 + K such a request waits forever (README, "What the harness found in vLLM")
+        # vLLM pads (0.30.0 on) a request whose hit leaves one token to 1 + K rows and, when they
+        # do not fit the step's budget, schedules nothing rather than one row: with a budget under
+        # 1 + K such a request waits forever (README, the scheduler target's finds)
         return (
             f"with {config.speculative_tokens} drafts vLLM's scheduler needs a token budget of at least "
             f"{1 + config.speculative_tokens} (token_budget={config.token_budget})"
@@ -212,7 +212,9 @@ def build_scheduler(config: EngineConfig):
         kv_cache_config = v.kvi.KVCacheConfig(
             num_blocks=alloc.num_blocks,
             kv_cache_tensors=tensors,
-            kv_cache_groups=[v.kvi.KVCacheGroupSpec([f"layer{g}"], s) for g, s in enumerate(vllm_specs(alloc, v))],
+            kv_cache_groups=[
+                v.kvi.KVCacheGroupSpec([f"layer{g}"], spec) for g, spec in enumerate(vllm_specs(alloc, v))
+            ],
             **retention.get("field", {}),
         )
         with _environment(retention.get("env", {})):
