@@ -2,7 +2,8 @@
 # scripts/vllm-matrix.sh VERSION...   (make vllm-matrix VLLM_VERSIONS="0.22.1 0.24.0 ...")
 #
 # For each vLLM release: build its environment (scripts/vllm-env.sh; kept if already
-# there), run kvprop's vLLM tests (pytest -m vllm tests/test_vllm_target.py), a fixed
+# there), run kvprop's vLLM tests (pytest -m vllm tests/test_vllm_target.py
+# tests/test_vllm_scheduler.py), a fixed
 # walk budget (kvprop fuzz --target vllm --workers 1 --max-runs 300 --seconds 600 --seed 0),
 # the step-for-step agreement with kvprop's model (kvprop agree --walks 100; --no-junction before
 # 0.30.0, which has no junction) and the coverage of vLLM's KV core (kvprop coverage
@@ -48,7 +49,7 @@ for v in "$@"; do
   fi
 
   (cd "$REPO" && KVPROP_PROFILE=${PROFILE:-ci} "$py" -m pytest -q -p no:cacheprovider -m vllm \
-    tests/test_vllm_target.py) >"$log/tests.log" 2>&1
+    tests/test_vllm_target.py tests/test_vllm_scheduler.py) >"$log/tests.log" 2>&1
   summary=$(grep -E '^=*.* in [0-9.]+s' "$log/tests.log" | tail -1)
   count() { echo "$summary" | grep -oE "[0-9]+ $1" | grep -oE '^[0-9]+' || echo 0; }
   passed=$(count passed) failed=$(count failed) errors=$(count 'errors?') skipped=$(count skipped)
