@@ -218,12 +218,17 @@ class Engine:
 
     def _preempt(self, request: Request) -> None:
         self._free(request)
+        request.num_preemptions += 1
+        self._wait_again(request, EV_PREEMPT)
+
+    def _wait_again(self, request: Request, event: str) -> None:
+        """``request`` gave its blocks back (``event``: a preemption, a failed load) and waits at
+        the head of the queue to start again from nothing computed."""
         request.num_computed_tokens = 0
         request.drop_drafts()
-        request.num_preemptions += 1
         request.status = Status.WAITING
         self.waiting.appendleft(request)
-        self.events[EV_PREEMPT] += 1
+        self.events[event] += 1
 
     def reset_prefix_cache(self) -> bool:
         return self.boundary.reset_prefix_cache()
@@ -255,12 +260,9 @@ class Engine:
             request.status = Status.RUNNING
             self.running.append(request)
         else:
-            self.events[EV_LOAD_FAIL] += 1
             self._free(request)
-            request.num_computed_tokens = 0
             request.load_failed = True
-            request.status = Status.WAITING
-            self.waiting.appendleft(request)
+            self._wait_again(request, EV_LOAD_FAIL)
         request.pending_external = 0
 
     # ---- a buggy caller ------------------------------------------------------------------

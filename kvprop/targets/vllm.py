@@ -131,7 +131,7 @@ def _accepted(fn) -> dict:
     return {name: p.default for name, p in inspect.signature(fn).parameters.items() if name != "self"}
 
 
-def _call_kwargs(what: str, params: dict, kwargs: dict) -> dict:
+def _call_kwargs(what: str, params: dict, kwargs: dict, target: str = "vllm") -> dict:
     """The keyword arguments ``params`` accepts; dropping one is fine only at its neutral value."""
     out = {}
     for name, value in kwargs.items():
@@ -139,7 +139,7 @@ def _call_kwargs(what: str, params: dict, kwargs: dict) -> dict:
             out[name] = value
         elif value not in (None, 0, False):
             raise ConfigError(
-                f"target 'vllm': the installed vLLM's {what} has no parameter {name!r}, "
+                f"target {target!r}: the installed vLLM's {what} has no parameter {name!r}, "
                 f"so it cannot be asked for {name}={value!r}"
             )
     return out
@@ -352,11 +352,18 @@ class VllmAllocator:
         vreq.num_computed_tokens = request.num_computed_tokens
         if hasattr(vreq, "shared_prefix_boundary"):  # 0.30.0 on: the scheduler's copy of the junction
             vreq.shared_prefix_boundary = request.shared_prefix_boundary
-        self._name_hashes(rid, vreq.block_hashes, request.block_hashes)
+        self.name_hashes(request, vreq)
         return vreq
 
-    def _name_hashes(self, rid, vllm_hashes, kvprop_hashes) -> None:
+    def adopt(self, request, vreq) -> None:
+        """Take ``vreq``, built elsewhere (for vLLM's scheduler), as ``request``'s vLLM request."""
+        self.requests[request.request_id] = vreq
+        self._named[request.request_id] = 0
+        self.name_hashes(request, vreq)
+
+    def name_hashes(self, request, vreq) -> None:
         """Record which kvprop hash each new vLLM block hash stands for (same block, same index)."""
+        rid, vllm_hashes, kvprop_hashes = request.request_id, vreq.block_hashes, request.block_hashes
         done = self._named[rid]
         end = min(len(vllm_hashes), len(kvprop_hashes))
         for i in range(done, end):
@@ -387,9 +394,14 @@ class VllmAllocator:
                 f"allocate_slots: new_computed_blocks must be what get_computed_blocks returned, got {hits!r}"
             )
         kwargs = _call_kwargs("KVCacheManager.allocate_slots()", self._allocate_params, kwargs)
-        before = {b.block_id: b.block_hash for b in self.pool.blocks if b.ref_cnt == 0 and b.block_hash is not None}
-        result = self.manager.allocate_slots(vreq, num_new_tokens, **kwargs)
+        return self.counting_evictions(self.manager.allocate_slots, vreq, num_new_tokens, **kwargs)
+
+    def counting_evictions(self, allocate, *args, **kwargs):
+        """``allocate(*args, **kwargs)``, counting the cached free blocks it took (their hash changed):
+        vLLM reports no evictions."""
         blocks = self.pool.blocks
+        before = {b.block_id: b.block_hash for b in blocks if b.ref_cnt == 0 and b.block_hash is not None}
+        result = allocate(*args, **kwargs)
         self.num_evictions += sum(1 for b, h in before.items() if blocks[b].block_hash != h)
         return result
 

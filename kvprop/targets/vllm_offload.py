@@ -10,6 +10,7 @@ writes its blocks when it completes. Completions go back the way the release rea
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import attrs
@@ -104,7 +105,7 @@ class OffloadWorker:
             invalid_block_ids=done["invalid"],
         )
 
-    @property
+    @functools.cached_property
     def fails_loads(self) -> bool:
         """Whether a failed load can be reported: vLLM's recovery for invalid blocks reads one
         block table per request (``(req_block_ids,) = kv_cache_manager.get_block_ids(req_id)``

@@ -103,14 +103,11 @@ class SchedulerEngine(OffloadWorker, Engine):
                 bound = inspect.signature(real_allocate).bind(vreq, num_new_tokens, *args, **kwargs)
                 kwargs = {k: val for k, val in bound.arguments.items() if k not in ("request", "num_new_tokens")}
             request, seen, token = self._hook(self._before_allocation, vreq, num_new_tokens, kwargs)
-            blocks = self.allocator.pool.blocks
-            cached_free = {b.block_id: b.block_hash for b in blocks if b.ref_cnt == 0 and b.block_hash is not None}
             try:
-                result = real_allocate(vreq, num_new_tokens, **kwargs)
+                result = self.allocator.counting_evictions(real_allocate, vreq, num_new_tokens, **kwargs)
             except Exception:
                 self._hook(self.hooks.allocation_crashed, self, request, token)
                 raise
-            self.allocator.num_evictions += sum(1 for b, h in cached_free.items() if blocks[b].block_hash != h)
             self._hook(self._after_allocation, request, seen, token, result)
             return result
 
@@ -209,35 +206,37 @@ class SchedulerEngine(OffloadWorker, Engine):
         request = self.requests.get(vreq.request_id)
         if request is None:
             return
+        loading = self._leave(request)
+        if loading and not vreq.is_finished():
+            # a failed load with nothing valid to keep: vLLM frees it and it waits to recompute
+            request.pending_external = 0
+            request.load_failed = True
+            self._wait_again(request, EV_LOAD_FAIL)
+        elif vreq.is_finished():
+            # the tokens of its last output, which vLLM may have cached a block of before freeing
+            self._catch_up(request, vreq)
+            self._end(request, aborted=vreq.status == self.s.RequestStatus.FINISHED_ABORTED)
+        else:
+            request.num_preemptions += 1
+            self._wait_again(request, EV_PREEMPT)
+            if self.report is not None:
+                self.report.preempted.append(request.request_id)
+        self.hooks.after_free(self, request)
+
+    def _leave(self, request) -> bool:
+        """Take ``request`` out of the engine's queues and the worker's tables; whether it was loading."""
         self._forget_worker(request)
         loading = self.loading.pop(request.request_id, None) is not None
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        if loading and not vreq.is_finished():
-            # a failed load with nothing valid to keep: vLLM frees it and it waits to recompute
-            request.num_computed_tokens, request.pending_external = 0, 0
-            request.load_failed = True
-            request.status = Status.WAITING
-            self.waiting.appendleft(request)
-            self.events[EV_LOAD_FAIL] += 1
-        elif vreq.is_finished():
-            # the tokens of its last output, which vLLM may have cached a block of before freeing
-            self._catch_up(request, vreq)
-            status = Status.ABORTED if vreq.status == self.s.RequestStatus.FINISHED_ABORTED else Status.FINISHED
-            self._retire(request, status)
-            if self.report is not None and status is Status.FINISHED:
-                self.report.finished.append(request.request_id)
-        else:
-            request.num_computed_tokens = 0
-            request.num_preemptions += 1
-            request.status = Status.WAITING
-            self.waiting.appendleft(request)
-            self.events[EV_PREEMPT] += 1
-            if self.report is not None:
-                self.report.preempted.append(request.request_id)
-        self.hooks.after_free(self, request)
+        return loading
+
+    def _end(self, request, aborted: bool) -> None:
+        self._retire(request, Status.ABORTED if aborted else Status.FINISHED)
+        if self.report is not None and not aborted:
+            self.report.finished.append(request.request_id)
 
     def _forget_worker(self, request) -> None:
         rid = request.request_id
@@ -270,9 +269,7 @@ class SchedulerEngine(OffloadWorker, Engine):
             pooling_params=None,
             block_hasher=self.allocator.hasher,
         )
-        self.allocator.requests[request.request_id] = vreq
-        self.allocator._named[request.request_id] = 0
-        self.allocator._name_hashes(request.request_id, vreq.block_hashes, request.block_hashes)
+        self.allocator.adopt(request, vreq)
         self._call("Scheduler.add_request", self.scheduler.add_request, vreq)
         return request
 
@@ -311,11 +308,9 @@ class SchedulerEngine(OffloadWorker, Engine):
             request.status = Status.ABORTING
             self.events[EV_ABORT_LOAD] += 1
             return
-        # vLLM held no blocks for it (a waiting request): it ends all the same
-        (self.running if request in self.running else self.waiting).remove(request)
-        self._forget_worker(request)
-        aborted = status == self.s.RequestStatus.FINISHED_ABORTED
-        self._retire(request, Status.ABORTED if aborted else Status.FINISHED)
+        # vLLM ended it without freeing anything through its manager: it ends all the same
+        self._leave(request)
+        self._end(request, aborted=status == self.s.RequestStatus.FINISHED_ABORTED)
 
     def preempt(self, request_id: str) -> None:
         from kvprop.errors import RequestError
@@ -396,7 +391,7 @@ class SchedulerEngine(OffloadWorker, Engine):
         too, and the new block hashes named (so an event or a key for them reads as kvprop's)."""
         grown = vreq.all_token_ids[request.num_tokens :]
         request.extend_tokens(grown)
-        self.allocator._name_hashes(request.request_id, vreq.block_hashes, request.block_hashes)
+        self.allocator.name_hashes(request, vreq)
         return grown
 
     def _model_output(self, output, starts):

@@ -19,7 +19,15 @@ from types import SimpleNamespace
 
 from kvprop.allocator.specs import EngineConfig, Mamba
 from kvprop.errors import ConfigError
-from kvprop.targets.vllm import INSTALL_HINT, _environment, _import_vllm, _retention_setting, vllm_specs
+from kvprop.targets.vllm import (
+    INSTALL_HINT,
+    _accepted,
+    _call_kwargs,
+    _environment,
+    _import_vllm,
+    _retention_setting,
+    vllm_specs,
+)
 
 _SCHED = None
 _MODEL_DIRS: dict[int, str] = {}
@@ -85,14 +93,7 @@ def _model_dir(vocab: int) -> str:
 def _build(cls, what: str, **wanted):
     """``cls(**wanted)`` with only the keyword arguments this release's ``cls`` accepts; one it
     lacks is dropped only at its neutral value (as the manager target's calls)."""
-    params = set(inspect.signature(cls).parameters)
-    out = {}
-    for name, value in wanted.items():
-        if name in params:
-            out[name] = value
-        elif value not in (None, 0, False):
-            raise ConfigError(f"target 'vllm-scheduler': this vLLM's {what} has no parameter {name!r}")
-    return cls(**out)
+    return cls(**_call_kwargs(what, _accepted(cls), wanted, target="vllm-scheduler"))
 
 
 def _tensor(v, layer: str, page: int, num_blocks: int):
