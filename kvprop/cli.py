@@ -58,6 +58,18 @@ def workers(text: str) -> int:
     return _integer(text, 1, limit, f"in [1, {limit}] (4 x the {cores()} cores here)")
 
 
+def kinds(text: str) -> frozenset:
+    """Comma-separated violation kinds (``kvprop.check.kinds``) or ``target-crash``."""
+    from kvprop.check.kinds import KINDS
+
+    allowed = sorted(KINDS) + ["target-crash"]
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in allowed]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown kind(s) {unknown}; allowed: {', '.join(allowed)}")
+    return frozenset(names)
+
+
 def seconds(text: str) -> float:
     try:
         value = float(text)
@@ -123,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--redis", default=None, metavar="URL", help="share finds with other machines through Redis")
     f.add_argument("--fresh", action="store_true", help="hypothesis driver: ignore the example database (.hypothesis/)")
     f.add_argument("--json", action="store_true", help="print one JSON summary on stdout (progress goes to stderr)")
+    f.add_argument(
+        "--known",
+        type=kinds,
+        default=frozenset(),
+        metavar="KIND[,KIND]",
+        help="walk driver: finds of these already-triaged kinds are saved and counted, and the search goes on",
+    )
     target_args(f)
 
     r = command("replay", c.cmd_replay, "re-execute a trace step by step (exit 1 reproduces, 0 passes, 2 bad file)")

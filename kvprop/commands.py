@@ -93,6 +93,8 @@ def cmd_fuzz(args) -> int:
         args.seed = time.time_ns() % 1_000_000_007
     _check_device(args.device)
     _check_allocator(args.variant, args.target)
+    if args.known and args.driver != "walk":
+        raise ConfigError(f"--known keeps searching past a find, which only the walk driver does, not {args.driver!r}")
     out = counterexample.check_out(Path(args.out))
     fuzz.probe(args.target, args.variant, args.device)
     if args.canary and not _canary(args):
@@ -109,6 +111,7 @@ def cmd_fuzz(args) -> int:
         max_runs=args.max_runs,
         redis=args.redis,
         fresh=args.fresh,
+        known=args.known,
     )
     label = f"variant {args.variant}" if args.variant else f"target {args.target or 'kvprop'}"
     _say(
@@ -121,7 +124,8 @@ def cmd_fuzz(args) -> int:
     def on_find(trace):
         name = counterexample.name_for(trace)
         saved[name] = counterexample.write_found(trace, out, name)
-        _say(args, f"found {trace.failure.kind} (seed {trace.seed}); saved {saved[name]}")
+        known = " (a known kind: the search goes on)" if trace.failure.kind in args.known else ""
+        _say(args, f"found {trace.failure.kind} (seed {trace.seed}); saved {saved[name]}{known}")
 
     try:
         result = fuzz.search(opts, status=lambda line: _say(args, line), on_find=on_find, started=args.started)
@@ -156,6 +160,7 @@ def _summary(args, result) -> dict:
         "driver": args.driver,
         "target": args.target or "kvprop",
         "variant": args.variant,
+        "known_finds": result.known,
         "find": None,
     }
 
@@ -188,9 +193,13 @@ def _clean(args, result, summary) -> int:
         _emit_json(args, summary, verdict="untested")
         return EXIT_USAGE
     missing = [e for e in EVENTS if e not in result.events]
+    known = ""
+    if result.known:
+        counts = ", ".join(f"{kind} {n:,}" for kind, n in sorted(result.known.items()))
+        known = f" but for finds of the known kinds ({counts}; saved under {args.out})"
     _say(
         args,
-        f"clean: {result.runs:,} runs, {result.steps:,} steps in {result.seconds:.1f}s; "
+        f"clean{known}: {result.runs:,} runs, {result.steps:,} steps in {result.seconds:.1f}s; "
         f"events reached {len(EVENTS) - len(missing)}/{len(EVENTS)}",
     )
     if missing:

@@ -108,6 +108,16 @@ def test_short_clean_fuzz_of_the_correct_allocator_exits_0(tmp_path):
     assert list((tmp_path / "cx").iterdir()) == []
 
 
+def test_finds_of_a_known_kind_are_saved_and_the_search_goes_on(tmp_path):
+    known = "block-in-two-groups,connector-handoff,cached-block-lost-hash"
+    out = tmp_path / "cx"
+    r = kvprop_fuzz(tmp_path, out, f"--variant {BUG} --seed 3 --max-runs 300 --seconds 600 --json --known {known}")
+    summary = json.loads(r.stdout)
+    saved = len(list(out.glob("*.found.json")))
+    assert (r.returncode, summary["verdict"], sum(summary["known_finds"].values())) == (0, "clean", saved)
+    assert saved > 1 and summary["runs"] == 300
+
+
 @pytest.mark.parametrize(
     "content, message",
     [

@@ -445,6 +445,7 @@ def test_variant_with_a_path_target_exits_2(ran):
         ("fuzz --workers 1000", "--workers"),
         ("bugs --driver foo", "--driver"),
         ("fuzz --driver foo", "--driver"),
+        ("fuzz --known liveness,foo", "--known"),
     ],
 )
 def test_bad_value_exits_2_naming_the_flag(tmp_path, args, flag):

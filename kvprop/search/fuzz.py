@@ -49,6 +49,7 @@ class FuzzOptions:
     redis: str | None = None  # share failures with other machines through this Redis URL
     canary: bool = False  # search with the canary fault on (kvprop.targets.canary)
     fresh: bool = False  # the Hypothesis driver neither reads nor writes its example database
+    known: frozenset = frozenset()  # walk driver: finds of these kinds are kept and the search goes on
 
 
 @attrs.frozen
@@ -63,6 +64,7 @@ class FuzzResult:
     refused: dict = attrs.field(factory=dict)  # why the target refused configurations: reason -> count
     interrupted: bool = False
     deterministic: bool = True  # the reported find is the lowest (index, worker), whatever the timing
+    known: dict = attrs.field(factory=dict)  # finds of an already-triaged kind: kind -> count
 
     @property
     def executed_runs(self) -> int:
@@ -111,9 +113,13 @@ def _walk_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: int) -
         if result.refused is not None:
             refused[result.refused] += 1
         if result.failure is not None:
+            found = tr.to_dict(attrs.evolve(result.trace, failure=result.failure))
             out.put(("progress", runs, steps, events, refused))
-            out.put(("failure", i, index, tr.to_dict(attrs.evolve(result.trace, failure=result.failure))))
-            return
+            runs, steps, events, refused, last = 0, 0, set(), Counter(), time.monotonic()
+            if result.failure.kind not in opts.known:
+                out.put(("failure", i, index, found))
+                return
+            out.put(("known", found))
         if time.monotonic() - last >= REPORT_EVERY:
             out.put(("progress", runs, steps, events, refused))
             runs, steps, events, refused, last = 0, 0, set(), Counter(), time.monotonic()
@@ -261,7 +267,8 @@ def _from_store(opts: FuzzOptions, store, status) -> Trace | None:
 
 def search(opts: FuzzOptions, status=None, on_find=None, started: float | None = None) -> FuzzResult:
     """Run workers until the budget ends or a failure (``status`` gets status lines, ``on_find``
-    every find as it arrives). ``started`` (a ``time.monotonic()`` value) is when the budget began.
+    every find as it arrives, of a known kind too). ``started`` (a ``time.monotonic()`` value) is
+    when the budget began.
 
     Ctrl-C ends the search with ``interrupted`` set, never losing what was reported. A worker
     that hits an error of kvprop itself raises ``WorkerCrash``; a search the target made
@@ -352,6 +359,7 @@ def search(opts: FuzzOptions, status=None, on_find=None, started: float | None =
         dict(tally.refused),
         interrupted,
         deterministic=opts.driver == "walk" or opts.workers == 1,
+        known=dict(tally.known),
     )
 
 
@@ -365,6 +373,7 @@ class _Tally:
     events: set = attrs.field(factory=set)
     refused: Counter = attrs.field(factory=Counter)
     finds: dict = attrs.field(factory=dict)  # (index, worker) -> Trace
+    known: Counter = attrs.field(factory=Counter)  # finds of a known kind, which do not end the search
     found_at: float | None = None
     crash: str | None = None
     unusable: str | None = None
@@ -395,6 +404,11 @@ class _Tally:
             self.refused.update(msg[4])
         elif msg[0] == "failure":
             self.take(tr.from_dict(msg[3]), elapsed, (msg[1], msg[2]))
+        elif msg[0] == "known":
+            trace = tr.from_dict(msg[1])
+            self.known[trace.failure.kind] += 1
+            if self.on_find is not None:
+                self.on_find(trace)
         elif msg[0] == "crash":
             self.crash = self.crash or msg[1]
         elif msg[0] == "unusable":
@@ -403,7 +417,8 @@ class _Tally:
     def status_line(self, elapsed: float) -> str:
         rate = self.steps / elapsed if elapsed > 0 else 0.0
         refused = f" | refused {sum(self.refused.values()):,}" if self.refused else ""
+        known = f" | known {sum(self.known.values()):,}" if self.known else ""
         return (
             f"[{elapsed:7.1f}s] runs {self.runs:,} | steps {self.steps:,} | {rate:,.0f} steps/s | "
-            f"failures {len(self.finds)} | events {len(self.events & set(EVENTS))}/{len(EVENTS)}{refused}"
+            f"failures {len(self.finds)}{known} | events {len(self.events & set(EVENTS))}/{len(EVENTS)}{refused}"
         )
