@@ -219,11 +219,46 @@ def test_async_load_completes_then_the_rest_is_computed(checker):
     eng, r = async_engine(checker)
     eng.finish_load(r.request_id, ok=True)
     checker.check_all(eng)
-    assert r.status is Status.RUNNING and r.num_computed_tokens == 12
+    assert (r.status, r.num_computed_tokens, eng.loaded) == (Status.LOADED, 12, [r])
     assert eng.allocator.pool.blocks[1].key is not None
     report = step(eng, checker)
-    assert report.scheduled == {r.request_id: 2}
+    assert (report.scheduled, r.status) == ({r.request_id: 2}, Status.RUNNING)
     drain(eng, checker)
+
+
+def test_a_loaded_request_aborted_before_it_continues_frees_its_blocks(checker):
+    eng, r = async_engine(checker)
+    eng.finish_load(r.request_id, ok=True)
+    eng.abort(r.request_id)
+    checker.check_all(eng)
+    assert (r.status, eng.loaded, all_free(eng)) == (Status.ABORTED, [], True)
+
+
+def two_loads(checker, variant=None):
+    """Two published 14-token prompts on 6 usable blocks of 4: each load takes 3 blocks and its
+    request 4 in all (1 more to finish its prompt)."""
+    eng = engine([FullAttention(4)], 7, variant=variant, hooks=checker, connector="async")
+    first, second = list(range(14)), list(range(100, 114))
+    for prompt in (first, second):
+        eng.connector.publish_prefix(prompt)
+    a, b = eng.add_request(first, 2), eng.add_request(second, 2)
+    step(eng, checker)
+    return eng, a, b
+
+
+def test_a_second_load_waits_while_the_first_would_have_no_room_to_finish(checker):
+    """After the first load the pool has 3 free blocks; the second would take all 3 and leave
+    none of the 1 the first still needs."""
+    eng, a, b = two_loads(checker)
+    assert (a.status, b.status, eng.view.num_free_blocks) == (Status.LOADING, Status.WAITING, 3)
+    assert drain(eng, checker) > 0
+
+
+def test_loads_admitted_without_room_to_finish_never_end(checker):
+    eng, a, b = two_loads(checker, "loads-unreserved")
+    assert (a.status, b.status, eng.view.num_free_blocks) == (Status.LOADING, Status.LOADING, 0)
+    with pytest.raises(Violation, match="liveness: 2 requests still live after 3 drain steps"):
+        drain(eng, checker)
 
 
 def test_async_load_failure_frees_blocks_and_recomputes(checker):

@@ -51,6 +51,7 @@ CAUGHT_WITHOUT_GUARDS = {
     "swa-skip-off-by-one": "null-in-attended-range",
     "hits-recached": "cached-count-behind",
     "free-during-async-load": "freed-request-remains",
+    "loads-unreserved": "liveness",
     "capacity-overcount": "spurious-refusal",
     "hit-stops-early": "hit-too-short",
     "free-keeps-cached-count": "freed-request-remains",

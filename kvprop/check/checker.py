@@ -177,7 +177,7 @@ class Checker(Hooks):
         if not in_step:
             # Progress changes between operations; waiting requests hold no table, and one that
             # gains or loses a table shows in changed_tables.
-            for request in [*engine.running, *engine.loading.values()]:
+            for request in [*engine.running, *engine.loading.values(), *engine.loaded]:
                 sig = (request.status, request.num_computed_tokens, request.num_tokens, request.pending_external)
                 if self.signatures.get(request.request_id) != sig:
                     self.signatures[request.request_id] = sig
@@ -233,27 +233,35 @@ class Checker(Hooks):
             self.pending_changes = set()
 
 
+STALLED_STEPS = 2  # steps in a row that left the engine's stall signature as it was
+
+
 def drain(engine, checker: Checker, max_steps: int | None = None) -> int:
     """Stop arrivals and run to completion: loads resolve, every request ends, every block returns.
 
     The bound is generous (each step advances some request by a token unless it preempts),
-    so exceeding it means the engine or the allocator stopped making progress.
+    so exceeding it means the engine or the allocator stopped making progress; so does a run
+    of steps that change nothing (``Engine.stall_signature``), judged without waiting for it.
     """
     if max_steps is None:
         work = sum(r.num_tokens + r.max_new_tokens for r in engine.requests.values())
         max_steps = 50 + 4 * work * max(1, len(engine.requests))
-    steps = 0
+    steps = repeats = 0
+    last = None
     while engine.requests:
         for rid in list(engine.loading):
             engine.finish_load(rid, ok=True)
             checker.check_all(engine)
         if not engine.requests:
             break
-        if steps >= max_steps:
+        if steps >= max_steps or repeats >= STALLED_STEPS:
             inv.liveness(engine, steps)
-        engine.step()
+        report = engine.step()
         steps += 1
         checker.check_all(engine)
+        signature = engine.stall_signature(report)
+        repeats = repeats + 1 if signature is not None and signature == last else 0
+        last = signature
     checker.check_full(engine)
     if checker.enabled:
         inv.liveness(engine)

@@ -342,7 +342,7 @@ def check_data(engine, view, tables, keys, memo: dict) -> None:
     bs, null, memory = view.block_size, view.null_block_id, engine.memory
     slots, expected, origin = [], [], []
     for rid, request in engine.requests.items():
-        if request.status is not Status.RUNNING:
+        if request.status not in (Status.RUNNING, Status.LOADED):
             continue
         computed, prefix = request.num_computed_tokens, request.prefix
         for g, spec in enumerate(engine.specs):

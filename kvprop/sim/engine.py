@@ -119,6 +119,9 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}
+        self.loaded: list[Request] = []  # loads done, oldest admission first: continued before any admission
+        self.admissions = 0  # how many admissions so far: each request's place in that order
+        self.admitted_at: dict[str, int] = {}
         self.events: Counter = Counter()
         self.next_id = 0
         self.retired: deque[Request] = deque(maxlen=8)  # recently ended, for a buggy caller to free again
@@ -166,9 +169,10 @@ class Engine:
             raise RequestError(f"unknown request {request_id!r}; live requests: {sorted(self.requests)}") from None
 
     def is_admitted(self, request: Request) -> bool:
-        return request.status in (Status.RUNNING, Status.LOADING, Status.ABORTING)
+        return request.status in (Status.RUNNING, Status.LOADING, Status.LOADED, Status.ABORTING)
 
     def _free(self, request: Request) -> None:
+        self.admitted_at.pop(request.request_id, None)
         self.boundary.free(request)
         for g in self.state_groups:
             self.worker_tables.pop((request.request_id, g), None)
@@ -189,8 +193,8 @@ class Engine:
             return
         if request.status is Status.ABORTING:
             return
-        if request.status is Status.RUNNING:
-            self.running.remove(request)
+        if request.status in (Status.RUNNING, Status.LOADED):
+            (self.running if request.status is Status.RUNNING else self.loaded).remove(request)
             self._free(request)
         else:
             self.waiting.remove(request)
@@ -257,8 +261,9 @@ class Engine:
         elif ok:
             request.num_computed_tokens += request.pending_external
             self.boundary.cache_blocks(request, request.num_computed_tokens)
-            request.status = Status.RUNNING
-            self.running.append(request)
+            request.status = Status.LOADED
+            self.loaded.append(request)
+            self.loaded.sort(key=lambda r: self.admitted_at[r.request_id])
         else:
             self._free(request)
             request.load_failed = True
@@ -380,6 +385,9 @@ class Engine:
         return report
 
     def _admit(self, report: StepReport, budget: int) -> int:
+        budget = self._continue_loaded(report, budget)
+        if self.loaded:
+            return budget  # the oldest admissions wait for room first: nothing passes them
         while self.waiting and budget > 0:
             request = self.waiting[0]
             hits, num_hit = self._lookup(request)
@@ -394,6 +402,8 @@ class Engine:
             n = 0 if load_async else self._chunk(request, num_hit + ext, remaining)
             if n == 0 and remaining > 0 and not load_async:
                 break  # a state group's chunk cannot end anywhere in this step's budget
+            if load_async and not self._leaves_room_for_loads(request, num_hit + ext):
+                break
             self._note_admission_events(request, hits, num_hit, ext, n)
             result = self._allocate(
                 request,
@@ -408,6 +418,8 @@ class Engine:
                 break
             self.waiting.popleft()
             report.admitted.append(request.request_id)
+            self.admissions += 1
+            self.admitted_at[request.request_id] = self.admissions
             request.num_computed_tokens = num_hit
             if ext > 0:
                 tables = self.boundary.get_block_ids(request.request_id)
@@ -425,6 +437,52 @@ class Engine:
             report.scheduled[request.request_id] = n
             budget -= n
         return budget
+
+    def _continue_loaded(self, report: StepReport, budget: int) -> int:
+        """Requests whose load is done continue first, oldest admission first, each once its next
+        chunk fits: until then it holds its blocks and cannot be preempted (it is not running),
+        as vLLM keeps a finished load's request waiting with its blocks."""
+        while self.loaded and budget > 0:
+            request = self.loaded[0]
+            start = request.num_computed_tokens
+            n = self._chunk(request, start, min(request.num_tokens - start, budget))
+            if n == 0 or self._allocate(request, n, num_lookahead_tokens=self.config.lookahead) is None:
+                break
+            self.loaded.pop(0)
+            request.status = Status.RUNNING
+            self.running.append(request)
+            report.scheduled[request.request_id] = n
+            budget -= n
+        return budget
+
+    def blocks_to_finish(self, request: Request) -> int:
+        """At most the blocks ``request`` still takes to hold its whole sequence: the entries its
+        tables lack (every entry counted as a new block, skipped or not)."""
+        held = sum(len(table) for table in self.boundary.get_block_ids(request.request_id))
+        return max(0, self.max_blocks_needed(request.num_tokens) - held)
+
+    def reserved_for_loads(self, request: Request) -> int:
+        """Blocks the other loads in flight or done still take to finish (vLLM's in-flight
+        reservation, ``Scheduler._inflight_prefill_reserved_blocks``, 0.24.0 on)."""
+        others = [*self.loading.values(), *self.loaded]
+        return sum(self.blocks_to_finish(r) for r in others if r is not request and r.status is not Status.ABORTING)
+
+    def _leaves_room_for_loads(self, request: Request, num_computed: int) -> bool:
+        """An asynchronous load is admitted only when, after it takes all it can, the pool still
+        holds what every other load takes to finish: a loading or loaded request holds its blocks
+        and cannot be preempted, so loads admitted beside each other could otherwise hold the
+        pool between them with none able to continue."""
+        takes = self.max_blocks_needed(num_computed)
+        return self.view.num_free_blocks - takes >= self.reserved_for_loads(request)
+
+    def stall_signature(self, report: StepReport):
+        """What a step that changed nothing leaves the same (None: the step did something). An
+        engine step is a function of this state, so a second step with the same signature
+        means none will ever change it: the drain judges liveness then."""
+        if report.scheduled or report.admitted or report.preempted or report.finished or self.running or self.loading:
+            return None
+        progress = tuple((r.request_id, r.status, r.num_computed_tokens) for r in self.requests.values())
+        return self.view.num_free_blocks, progress
 
     def _lookup(self, request):
         """The target's hit for ``request``. A target may add vLLM's third value (0.30.0 on), the

@@ -11,6 +11,7 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     LOADING = "loading"  # admitted, external KV still arriving
+    LOADED = "loaded"  # its load done, holding its blocks until the scheduler has room to continue it
     ABORTING = "aborting"  # aborted while loading: blocks held until the load resolves
     FINISHED = "finished"
     ABORTED = "aborted"

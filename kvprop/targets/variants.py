@@ -131,6 +131,14 @@ class FreeDuringAsyncLoad(Engine):
         super().abort(request_id)
 
 
+class LoadsUnreserved(Engine):
+    """An asynchronous load is admitted whenever it fits, leaving nothing for the loads already
+    in flight to finish with (the reservation vLLM added in 0.24.0, ``reserved_blocks``)."""
+
+    def reserved_for_loads(self, request):
+        return 0
+
+
 def _mixed_managers(mixin: type) -> dict:
     """Every attention type's manager with ``mixin`` in front (one bug in the shared base)."""
     return {spec: type(f"{mixin.__name__}{cls.__name__}", (mixin, cls), {}) for spec, cls in MANAGER_FOR_SPEC.items()}
@@ -285,6 +293,11 @@ VARIANTS = {
             "free-during-async-load",
             "aborting a request frees blocks an external load is still writing",
             engine=FreeDuringAsyncLoad,
+        ),
+        Variant(
+            "loads-unreserved",
+            "an asynchronous load is admitted without leaving room for the loads in flight to finish",
+            engine=LoadsUnreserved,
         ),
         Variant(
             "capacity-overcount",

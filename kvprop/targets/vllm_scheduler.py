@@ -335,6 +335,11 @@ class SchedulerEngine(OffloadWorker, Engine):
     def worker_block_ids(self, request_id: str):
         return self.worker[request_id]
 
+    def stall_signature(self, report: StepReport):
+        """None: vLLM's scheduler keeps state kvprop does not mirror (a deferred load, a store
+        completing a step later), so only the drain's step bound judges its liveness."""
+        return None
+
     def step(self) -> StepReport:
         report = self.report = StepReport()
         evictions = self.view.num_evictions
