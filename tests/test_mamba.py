@@ -83,8 +83,8 @@ def test_the_mode_follows_prefix_caching(mode, caching):
         AllocatorConfig((Mamba(BS, mode),), 8, enable_caching=caching)
 
 
-def test_a_state_group_runs_without_a_connector_only():
-    with pytest.raises(ConfigError, match="connector must be 'off' with a Mamba group"):
+def test_a_state_group_takes_only_an_asynchronous_connector():
+    with pytest.raises(ConfigError, match="connector must be 'off' or 'async' with a Mamba group"):
         EngineConfig(AllocatorConfig((Mamba(BS),), 8), connector="sync")
 
 
@@ -109,4 +109,49 @@ def test_a_hybrid_walk_with_a_shared_prefix_runs_clean():
         eng.add_request(tokens, 2)
         eng.step()
         checker.check_all(eng)
+    assert (drain(eng, checker) > 0, eng.requests) == (True, {})
+
+
+# ---- the connector with a state group ----------------------------------------------------
+
+
+def published(prompt_len: int, tier_len: int):
+    """A hybrid engine whose tier holds a remote node's first ``tier_len`` tokens of the prompt."""
+    checker = Checker()
+    eng = engine([FullAttention(BS), Mamba(BS)], 32, hooks=checker, connector="async")
+    prompt = list(range(prompt_len))
+    eng.connector.publish_prefix(prompt[:tier_len])
+    return eng, checker, eng.add_request(prompt, 2)
+
+
+def test_a_hit_through_the_tier_ends_on_the_last_block_boundary_before_the_last_token():
+    eng, _, r = published(13, 13)
+    assert eng.connector.num_new_matched_tokens(r, 0) == 12
+
+
+def test_a_hit_through_the_tier_needs_the_state_at_its_end_only():
+    eng, _, r = published(13, 13)
+    for block_hash in r.block_hashes[1:]:
+        del eng.connector.tier[block_hash][1]  # the state group's rows after the first block
+    assert eng.connector.num_new_matched_tokens(r, 0) == 4
+
+
+def test_a_load_writes_one_state_block_at_the_hit_end_and_the_request_continues_from_it():
+    eng, checker, r = published(13, 13)
+    eng.step()
+    state_table = eng.allocator.get_block_ids(r.request_id)[1]
+    eng.finish_load(r.request_id, ok=True)
+    checker.check_all(eng)  # the loaded state after 12 tokens reads back at the hit's end
+    assert ([b == NULL for b in state_table], eng.loaded) == ([True, True, False], [r])
+    assert (drain(eng, checker) > 0, eng.requests) == (True, {})
+
+
+def test_a_state_computed_at_a_block_boundary_is_offloaded_and_loads_for_the_next_request():
+    checker = Checker()
+    eng = engine([FullAttention(BS), Mamba(BS)], 32, hooks=checker, connector="async")
+    eng.add_request(list(range(9)), 1)
+    drain(eng, checker)
+    eng.reset_prefix_cache()
+    r = eng.add_request(list(range(10)), 1)
+    assert eng.connector.num_new_matched_tokens(r, 0) == 8
     assert (drain(eng, checker) > 0, eng.requests) == (True, {})

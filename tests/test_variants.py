@@ -49,7 +49,7 @@ CAUGHT_WITHOUT_GUARDS = {
     "touch-before-capacity-check": "cached-count-behind",
     "evict-keeps-hash": "cache-map-stale",
     "swa-skip-off-by-one": "null-in-attended-range",
-    "hits-recached": "cached-count-behind",
+    "hits-recached": "events-diverge",
     "free-during-async-load": "freed-request-remains",
     "loads-unreserved": "liveness",
     "capacity-overcount": "spurious-refusal",

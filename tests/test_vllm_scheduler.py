@@ -79,11 +79,10 @@ def known_kinds() -> set:
     kinds = set()
     if RELEASE < (0, 24):
         kinds.add("block-in-two-groups")
-    if RELEASE < (0, 30):
-        kinds.add("null-in-attended-range")
-    # in every release measured from 0.23.0: a failed load's lost reservation; in every one, a
-    # one-token prompt reloaded
-    kinds |= {"liveness", "connector-handoff"}
+    # in every release measured from 0.23.0: a failed load's lost reservation and a failed state
+    # load continued from the null block; in every one, a one-token prompt reloaded and a failed
+    # sliding-window load recomputed without its window
+    kinds |= {"liveness", "connector-handoff", "null-in-attended-range", "state-source-mismatch"}
     return kinds
 
 
@@ -251,6 +250,50 @@ NULL_IN_WINDOW = scheduler_trace(
     ],
 )
 
+# Minimised on 0.33.0 (kvprop fuzz --target vllm-scheduler --seed 14 --known ..., walk seed
+# 146323210), the same on every release from 0.22.1: r1's 8 loadable tokens make the window
+# (6 tokens, blocks of 2) skip block 0 at admission; the load fails, recovery truncates the
+# computed count to the first invalid block (2 tokens), and the recomputed tokens attend to
+# block 0, which is the null block.
+NULL_IN_WINDOW_EVERYWHERE = scheduler_trace(
+    [{"kind": "sliding_window", "block_size": 2, "window": 6}],
+    7,
+    9,
+    "async",
+    [
+        add(0, 0, 9, 1),
+        {"op": "Step", "times": 1},
+        {"op": "ResetPrefixCache"},
+        add(0, 0, 1, 1),
+        {"op": "Step", "times": 2},
+        {"op": "FinishLoad", "index": 0, "ok": 0},
+    ],
+)
+
+# Minimised on 0.33.0 (kvprop fuzz --target vllm-scheduler --seed 5, walk seed 1017301979), the
+# same on every release from 0.23.0: a pure state-space model (one Mamba group, blocks of 3, two
+# drafts). r4's local hit is the state after 12 tokens and the CPU tier holds the state after 18,
+# so admission nulls every entry below index 5 and loads block 5. The load fails; recovery
+# truncates the computed count to the first invalid block, 15 tokens, whose state would be in
+# entry 4, the null block, and the request continues from it.
+STATE_AFTER_FAILED_LOAD = scheduler_trace(
+    [{"kind": "mamba", "block_size": 3, "mode": "align", "speculative_blocks": 2}],
+    22,
+    9,
+    "async",
+    [
+        LARGE,
+        add(0, 23, 1, 6),
+        LARGE,
+        add(0, 14, 7, 4),
+        add(0, 2, 6, 3),
+        {"op": "Step", "times": 8},
+        add(3, 14, 1, 1),
+        {"op": "Step", "times": 1},
+        {"op": "FinishLoad", "index": 0, "ok": 0},
+    ],
+    drafts=2,
+)
 
 # Minimised on 0.33.0 (walk seed 32), the same on every release from 0.23.0: a one-token prompt
 # whose token is in the CPU tier is loaded, set back to "recompute the last token" (0 computed),
@@ -295,6 +338,17 @@ def test_a_failed_load_keeps_its_reservation_from_0_23():
 
 def test_a_failed_sliding_window_load_recomputes_without_its_window_before_0_30():
     assert outcome(NULL_IN_WINDOW) == ("null-in-attended-range" if OLD_RELEASE else None)
+
+
+@pytest.mark.skipif(RELEASE < (0, 23), reason="0.22.1's offloading connector raises earlier in this trace")
+def test_a_failed_state_load_continues_from_the_null_block_from_0_23():
+    assert outcome(STATE_AFTER_FAILED_LOAD) == "state-source-mismatch"
+
+
+def test_a_failed_sliding_window_load_recomputes_without_its_window_in_every_release():
+    """The shape above passes from 0.30.0; this one does not: recovery still truncates at the first
+    invalid block without asking whether the window's blocks before it were ever loaded."""
+    assert outcome(NULL_IN_WINDOW_EVERYWHERE) == "null-in-attended-range"
 
 
 @pytest.mark.skipif(RELEASE >= (0, 24), reason="the cross-group bug was fixed in 0.24.0")

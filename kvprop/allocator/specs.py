@@ -257,8 +257,11 @@ class EngineConfig:
                     f"num_speculative_blocks from num_speculative_tokens), got {spec.speculative_blocks} "
                     f"and {self.speculative_tokens}"
                 )
-        if self.connector != "off" and any(isinstance(spec, Mamba) for spec in self.allocator.groups):
+        modes = {spec.mode for spec in self.allocator.groups if isinstance(spec, Mamba)}
+        if self.connector != "off" and modes and (self.connector != "async" or modes != {"align"}):
             raise ConfigError(
-                "EngineConfig.connector must be 'off' with a Mamba group: loading and storing state "
-                "blocks is not modelled yet (docs/design.md §6)"
+                f"EngineConfig.connector must be 'off' or 'async' with a Mamba group, and the group in mode "
+                f"'align', got connector {self.connector!r} and modes {sorted(modes)}: vLLM's offloading "
+                f"connector loads asynchronously and offloads state only where prefix caching keeps it "
+                f"(docs/design.md §3, connector)"
             )

@@ -44,7 +44,8 @@ class Checker(Hooks):
         self.num_checks = 0
         self.expected_rows: dict = {}  # cache key -> what a block cached under it must hold
         self.ledger = EventLedger()
-        self.same_step_states: set = set()  # keys of state blocks cached in the current step
+        self.states_at_step_start: frozenset = frozenset()  # (block, key) of every cached state block
+        self.cached_by_allocations: set = set()  # keys of state blocks an allocation cached in this step
 
     def incremental(self, engine) -> bool:
         return self.full_every > 1 and hasattr(engine.view, "take_changes")
@@ -52,13 +53,43 @@ class Checker(Hooks):
     # ---- in-step hooks ----------------------------------------------------------------
 
     def step_starts(self, engine) -> None:
-        self.same_step_states = set()
+        if engine.state_groups:
+            self.states_at_step_start = frozenset(self._cached_states(engine))
+            self.cached_by_allocations = set()
+
+    @staticmethod
+    def _cached_states(engine):
+        view = engine.view
+        for block_id in range(view.num_blocks):
+            key = view.cache_key(block_id)
+            if key is not None and key[1] in engine.state_groups:
+                yield block_id, key
+
+    def _same_step_states(self, engine) -> set:
+        """Keys of the state blocks cached since the step began, by an allocation (a block evicted
+        and cached again under its old key included) or by the caching that follows a load
+        (vLLM's scheduler completes loads inside ``schedule()``): a hit on one may be refused
+        until the next step (``MambaManager.cached_blocks_this_step``)."""
+        if not engine.state_groups:
+            return set()
+        start = self.states_at_step_start
+        since = {key for block_id, key in self._cached_states(engine) if (block_id, key) not in start}
+        return since | self.cached_by_allocations
+
+    def _note_cached_states(self, engine, request_id: str, cached_before: dict) -> None:
+        """The state blocks this allocation cached."""
+        view, null = engine.view, engine.view.null_block_id
+        for g, before in cached_before.items():
+            table = view.request_block_ids(g, request_id) or []
+            for block_id in table[before : view.num_cached_blocks(g, request_id) or 0]:
+                if block_id != null and view.cache_key(block_id) is not None:
+                    self.cached_by_allocations.add(view.cache_key(block_id))
 
     def before_allocation(self, engine, request, num_new_tokens: int, kwargs: dict):
         if not self.enabled:
             return None
         view = engine.view
-        rid, same_step = request.request_id, self.same_step_states
+        rid, same_step = request.request_id, self._same_step_states(engine)
         cached = {g: view.num_cached_blocks(g, rid) or 0 for g in engine.state_groups}
         if not self.incremental(engine):
             before = inv.snapshot(view, rid)
@@ -69,15 +100,6 @@ class Checker(Hooks):
         self.pending_changes |= view.take_changes()
         tables = [view.request_block_ids(g, rid) for g in range(view.num_groups)]
         return decisions.capacity_bounds(engine, request, num_new_tokens, kwargs, tables, same_step), tables, cached
-
-    def _note_cached_states(self, engine, request_id: str, cached_before: dict) -> None:
-        """The state blocks this allocation cached: a hit on one waits for the next step."""
-        view, null = engine.view, engine.view.null_block_id
-        for g, before in cached_before.items():
-            table = view.request_block_ids(g, request_id) or []
-            for block_id in table[before : view.num_cached_blocks(g, request_id) or 0]:
-                if block_id != null and view.cache_key(block_id) is not None:
-                    self.same_step_states.add(view.cache_key(block_id))
 
     def after_allocation(self, engine, request, token, result, computed: int) -> None:
         if not self.enabled:

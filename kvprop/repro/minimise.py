@@ -180,6 +180,15 @@ def _with_allocator(config, **changes):
         return None
 
 
+def _with(config, **changes):
+    """``config`` with those engine fields changed; None where that is no valid configuration
+    (a synchronous connector with a state group)."""
+    try:
+        return attrs.evolve(config, **changes)
+    except ConfigError:
+        return None
+
+
 def _with_drafts(config, k: int):
     """``config`` with ``k`` drafts, its state groups' scratch columns to match."""
     groups = tuple(attrs.evolve(g, speculative_blocks=k) if g.kind == "mamba" else g for g in config.allocator.groups)
@@ -208,15 +217,15 @@ def _simpler_configs(config):
     for n in _smaller(a.num_blocks, 2):
         yield _with_allocator(config, num_blocks=n)
     for budget in _smaller(config.token_budget, 1):
-        yield attrs.evolve(config, token_budget=budget)
+        yield _with(config, token_budget=budget)
     if config.lookahead:
-        yield attrs.evolve(config, lookahead=0)
+        yield _with(config, lookahead=0)
     for k in _smaller(config.speculative_tokens, 0):
         yield _with_drafts(config, k)
     if config.connector == "async":
-        yield attrs.evolve(config, connector="sync")
+        yield _with(config, connector="sync")
     if config.connector != "off":
-        yield attrs.evolve(config, connector="off")
+        yield _with(config, connector="off")
     for g, spec in enumerate(groups):
         for field in ("window", "chunk"):
             value = getattr(spec, field, None)

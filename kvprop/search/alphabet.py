@@ -61,9 +61,11 @@ def sample_config(choose) -> EngineConfig:
     num_blocks = choose.integer(max(4, 1 + 3 * len(groups)), choose.pick((16, 32, 64)))
     enable_caching = choose.integer(0, 7) > 0
     token_budget, lookahead, connector = choose.integer(1, 64), choose.integer(0, 2), choose.pick(CONNECTORS)
-    # A state-space group in half the shapes without a connector (loading state blocks is not
-    # modelled yet), so the shapes with one are drawn as often as before.
-    state_group = connector == "off" and choose.integer(0, 1) == 0
+    # A state-space group in half the shapes without a connector, and in a quarter of those with
+    # an asynchronous one and prefix caching (the only way vLLM's offloading connector takes a
+    # state group), so the connector's attention-only shapes keep most of their draws.
+    with_connector = connector == "async" and enable_caching
+    state_group = (connector == "off" or with_connector) and choose.integer(0, 3 if with_connector else 1) == 0
     # Drafts in half the shapes, 1 to 4 of them as MTP and EAGLE propose; none with a state
     # group in mode "none", whose speculative columns are not modelled, and fewer than a block.
     speculative = choose.pick((0, 0, 0, 1, 2, 4))

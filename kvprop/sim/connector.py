@@ -4,13 +4,19 @@ It is filled the two ways real tiers are: by offloading blocks once they are com
 cached, and by a remote prefill node publishing a whole prefix. It offers tokens beyond
 the local hit, and loads them into the fresh blocks the allocator hands it — at once, or
 asynchronously, where the load later completes or fails.
+
+A state group's row is the state after its block's last token (slot 0 of the block). A hit
+through the tier then ends on a block boundary whose state the tier holds, and a load writes
+one block of the group, the one at the hit's end (vLLM's offloading connector: the total is
+rounded down to the Mamba block size, ``_sliding_window_lookup(keys, 1)`` for the group, and
+``allocate_external_computed_blocks`` gives it one block; docs/design.md §3).
 """
 
 from __future__ import annotations
 
 import attrs
 
-from kvprop.allocator.hashing import ROOT_HASH, chain_hashes, fingerprint, prefix_hash
+from kvprop.allocator.hashing import ROOT_HASH, chain_hashes, fingerprint, prefix_hash, state_fingerprint
 from kvprop.sim.memory import PagedMemory
 
 
@@ -23,13 +29,15 @@ class PendingLoad:
 
 
 class Connector:
-    def __init__(self, mode: str, memory: PagedMemory, block_size: int, num_groups: int):
+    def __init__(self, mode: str, memory: PagedMemory, block_size: int, num_groups: int, state_groups=frozenset()):
         if mode not in ("sync", "async"):
             raise ValueError(f"Connector mode must be 'sync' or 'async', got {mode!r}")
         self.mode = mode
         self.memory = memory
         self.block_size = block_size
         self.num_groups = num_groups
+        self.state_groups = frozenset(state_groups)
+        self.attention_groups = [g for g in range(num_groups) if g not in self.state_groups]
         self.tier: dict[int, dict[int, tuple]] = {}
         self.pending: dict[str, PendingLoad] = {}
 
@@ -50,36 +58,48 @@ class Connector:
             running = prefix_hash(running, token)
             prefix.append(running)
         for i, block_hash in enumerate(hashes):
+            end = (i + 1) * bs
             self.tier[block_hash] = {
-                g: tuple(fingerprint(g, p, prefix[p]) for p in range(i * bs, (i + 1) * bs))
+                g: (state_fingerprint(g, end, prefix[end - 1]),)
+                if g in self.state_groups
+                else tuple(fingerprint(g, p, prefix[p]) for p in range(i * bs, end))
                 for g in range(self.num_groups)
             }
         return len(hashes)
 
     def num_new_matched_tokens(self, request, num_local_computed: int) -> int:
-        """Tokens beyond the local hit this tier can supply; never the last prompt token."""
-        bs = self.block_size
+        """Tokens beyond the local hit this tier can supply; never the last prompt token. An
+        attention group needs every block of the range, a state group only the state at its end."""
+        bs, hashes = self.block_size, request.block_hashes
         i = num_local_computed // bs
-        hashes = request.block_hashes
-        while i < len(hashes):
-            rows = self.tier.get(hashes[i])
-            if rows is None or len(rows) < self.num_groups:
+        last = min(len(hashes), (request.num_tokens - 1) // bs) if self.state_groups else len(hashes)
+        end_block = i
+        while i < last:
+            rows = self.tier.get(hashes[i], {})
+            if any(g not in rows for g in self.attention_groups):
                 break
             i += 1
-        end = min(i * bs, request.num_tokens - 1)
+            if all(g in rows for g in self.state_groups):
+                end_block = i
+        end = end_block * bs if self.state_groups else min(i * bs, request.num_tokens - 1)
         return max(0, end - num_local_computed)
 
     def start_load(self, request, null_block_id: int, tables, num_local: int, num_external: int) -> None:
         """Take the blocks allocated for external tokens (the checker has seen them at the hand-off)."""
         bs = self.block_size
         slots, values, owned = [], [], []
+        end = -(-(num_local + num_external) // bs)
         for g, table in enumerate(tables):
-            for index in range(num_local // bs, -(-(num_local + num_external) // bs)):
+            for index in range(end - 1 if g in self.state_groups else num_local // bs, end):
                 block_id = table[index]
                 if block_id == null_block_id:
                     continue
                 owned.append((g, block_id))
                 row = self.tier[request.block_hashes[index]][g]
+                if g in self.state_groups:
+                    slots.append(block_id * bs)
+                    values.append(row[0])
+                    continue
                 for offset in range(bs):
                     position = index * bs + offset
                     if num_local <= position < num_local + num_external:

@@ -112,7 +112,7 @@ class Engine:
         self.connector = (
             None
             if config.connector == "off"
-            else Connector(config.connector, self.memory, self.block_size, len(self.specs))
+            else Connector(config.connector, self.memory, self.block_size, len(self.specs), self.state_groups)
         )
         self.registry: dict[int, tuple] = {}  # block hash -> (block index, prefix hashes): what it names
         self.requests: dict[str, Request] = {}
@@ -548,7 +548,7 @@ class Engine:
             tables = self.worker_block_ids(rid)
             for g, table in enumerate(tables):
                 if g in self.state_groups:
-                    self._write_states(request, g, table, start, n, slots, values)
+                    self._write_states(request, g, table, start, n, slots, values, offload)
                     continue
                 self.hooks.before_write(self, request, g, table, start, n)
                 if self.connector is not None:
@@ -587,7 +587,7 @@ class Engine:
                     # vLLM 0.33.0's post-output caching: the blocks the accepted tokens filled
                     self.boundary.cache_blocks(request, request.num_computed_tokens)
 
-    def _write_states(self, request: Request, g: int, table, start: int, n: int, slots, values) -> None:
+    def _write_states(self, request: Request, g: int, table, start: int, n: int, slots, values, offload) -> None:
         """A state group's writes for positions [start, start + n): from the state after
         ``start``, the state after the last scheduled token into the running column
         ``cdiv(start + n, bs) - 1``; in a verification pass with d drafts, the states after the
@@ -600,10 +600,20 @@ class Engine:
         column = cdiv(start + n, bs) - 1
         targets = [(worker[column + j], column + j, start + n - drafts + j) for j in range(drafts + 1)]
         self.hooks.before_state_write(self, request, g, self.state_block(request, g), start, targets)
-        for block, _, after in targets:
+        for block, index, after in targets:
             slots.append(block * bs)
             values.append(state_fingerprint(g, after, request.prefix_at(after - 1)))
+            self._offload_state(g, block, index, after, offload)
         self.state_columns[key] = (column, drafts)  # the offset is settled by the verification
+
+    def _offload_state(self, g: int, block: int, index: int, after: int, offload) -> None:
+        """A state written at its block's boundary into a cached block goes to the tier too (vLLM
+        0.30.0 on hands such boundary states to the connector, ``take_boundary_state_offloads``)."""
+        if self.connector is None or after != (index + 1) * self.block_size:
+            return
+        key = self.view.cache_key(block)
+        if key is not None:
+            offload.append((key[0], g, block))
 
     def state_block(self, request: Request, g: int):
         """The block holding state group ``g``'s state after the request's computed tokens, as the
@@ -637,6 +647,10 @@ class Engine:
                 if dest != column or boundary != verified:
                     self.hooks.before_state_write(self, request, g, source, boundary, [(worker[dest], dest, boundary)])
                     self.memory.copy(source * bs, worker[dest] * bs)
+                    offload = []
+                    self._offload_state(g, worker[dest], dest, boundary, offload)
+                    if offload:
+                        self.connector.offload(offload)
                 if dest == column:
                     offset = 0
             self.state_columns[key] = (column, offset)
