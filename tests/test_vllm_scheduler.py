@@ -340,7 +340,7 @@ def test_a_failed_sliding_window_load_recomputes_without_its_window_before_0_30(
     assert outcome(NULL_IN_WINDOW) == ("null-in-attended-range" if OLD_RELEASE else None)
 
 
-@pytest.mark.skipif(RELEASE < (0, 23), reason="0.22.1's offloading connector raises earlier in this trace")
+@pytest.mark.skipif(RELEASE < (0, 23), reason="0.22.1 takes no connector with a Mamba group (its scheduler asserts so)")
 def test_a_failed_state_load_continues_from_the_null_block_from_0_23():
     assert outcome(STATE_AFTER_FAILED_LOAD) == "state-source-mismatch"
 
