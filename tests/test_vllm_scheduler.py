@@ -83,6 +83,8 @@ def known_kinds() -> set:
     # load continued from the null block; in every one, a one-token prompt reloaded and a failed
     # sliding-window load recomputed without its window
     kinds |= {"liveness", "connector-handoff", "null-in-attended-range", "state-source-mismatch"}
+    if (0, 24) <= RELEASE < (0, 30):
+        kinds.add("data-mismatch")  # the deepest group's hit taken for all groups
     return kinds
 
 
@@ -295,6 +297,22 @@ STATE_AFTER_FAILED_LOAD = scheduler_trace(
     drafts=2,
 )
 
+# Minimised on 0.24.0 (kvprop fuzz --target vllm-scheduler --seed 15, walk seed 595420774), the
+# same on 0.25.1: two full-attention groups and a Mamba group with a connector. r1 is preempted
+# after its first block; when it is admitted again the Mamba group still hits its state after 8
+# tokens but the full-attention groups hit nothing (their block went to r0). With a connector
+# and a Mamba group, 0.24.0's scheduler takes the deepest group's hit as the local hit
+# (``num_new_local_computed_tokens = max(per_group_hits)``, "should be the FA hit length"), so
+# the attention groups count 8 tokens as computed in fresh blocks nobody wrote; the cached
+# block then reads back wrong. 0.30.0 reconciles divergent hits (``hit_diverged``).
+DEEPEST_HIT = scheduler_trace(
+    [full(8), full(8), {"kind": "mamba", "block_size": 8, "mode": "align", "speculative_blocks": 0}],
+    13,
+    32,
+    "async",
+    [LARGE, add(0, 24, 2, 1)],
+)
+
 # Minimised on 0.33.0 (walk seed 32), the same on every release from 0.23.0: a one-token prompt
 # whose token is in the CPU tier is loaded, set back to "recompute the last token" (0 computed),
 # looked up as new and loaded again, into its own block that the first load cached: forever.
@@ -343,6 +361,12 @@ def test_a_failed_sliding_window_load_recomputes_without_its_window_before_0_30(
 @pytest.mark.skipif(RELEASE < (0, 23), reason="0.22.1 takes no connector with a Mamba group (its scheduler asserts so)")
 def test_a_failed_state_load_continues_from_the_null_block_from_0_23():
     assert outcome(STATE_AFTER_FAILED_LOAD) == "state-source-mismatch"
+
+
+@pytest.mark.skipif(RELEASE < (0, 23), reason="0.22.1 takes no connector with a Mamba group (its scheduler asserts so)")
+def test_the_deepest_group_hit_counts_attention_tokens_nobody_computed_in_0_24_and_0_25():
+    expected = "data-mismatch" if (0, 24) <= RELEASE < (0, 30) else None
+    assert outcome(DEEPEST_HIT) == expected
 
 
 def test_a_failed_sliding_window_load_recomputes_without_its_window_in_every_release():
