@@ -29,7 +29,7 @@ def main(target: str, goal: int) -> None:
         result = run_walk(seed, target=None if target == "kvprop" else target)
         walks, steps, refused = walks + 1, steps + result.steps_run, refused + (result.refused is not None)
         by_connector[config.connector] += result.steps_run
-        outcomes[result.failure.kind if result.failure else "clean"] += 1
+        outcomes["refused" if result.refused else result.failure.kind if result.failure else "clean"] += 1
     print(
         f"target {target}: {walks:,} walks ({refused} refused), {steps:,} steps with a state group and drafts "
         f"(by connector: {dict(by_connector)}), seeds 1..{seed}, {time.monotonic() - start:.0f}s; "
