@@ -313,6 +313,19 @@ DEEPEST_HIT = scheduler_trace(
     [LARGE, add(0, 24, 2, 1)],
 )
 
+# Minimised on 0.25.1 (a soak with --seed 16, walk seed 3557685456), the same from 0.22.1 to
+# 0.25.1: one Mamba group with blocks of 16 and a token budget of 1. A prefill chunk that does
+# not reach the last block boundary is rounded down to a block boundary
+# (``_mamba_block_aligned_split``: ``num_new_tokens // block_size * block_size``), which is 0
+# tokens when the budget is below a block, every step. 0.30.0 advances inside the block instead.
+STATE_CHUNK_STARVES = scheduler_trace(
+    [{"kind": "mamba", "block_size": 16, "mode": "align", "speculative_blocks": 0}],
+    3,
+    1,
+    "off",
+    [LARGE],
+)
+
 # Minimised on 0.33.0 (walk seed 32), the same on every release from 0.23.0: a one-token prompt
 # whose token is in the CPU tier is loaded, set back to "recompute the last token" (0 computed),
 # looked up as new and loaded again, into its own block that the first load cached: forever.
@@ -367,6 +380,10 @@ def test_a_failed_state_load_continues_from_the_null_block_from_0_23():
 def test_the_deepest_group_hit_counts_attention_tokens_nobody_computed_in_0_24_and_0_25():
     expected = "data-mismatch" if (0, 24) <= RELEASE < (0, 30) else None
     assert outcome(DEEPEST_HIT) == expected
+
+
+def test_a_state_group_prefill_never_starts_with_a_budget_below_a_block_before_0_30():
+    assert outcome(STATE_CHUNK_STARVES) == ("liveness" if RELEASE < (0, 30) else None)
 
 
 def test_a_failed_sliding_window_load_recomputes_without_its_window_in_every_release():
