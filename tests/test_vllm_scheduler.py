@@ -326,6 +326,25 @@ STATE_CHUNK_STARVES = scheduler_trace(
     [LARGE],
 )
 
+# Minimised on 0.30.0 (a soak with --seed 16, walk seed 3441756), the same from 0.22.1 to 0.30.0:
+# three full-attention groups of block size 3, 12 usable blocks, a token budget of 1. r4 is
+# admitted with an asynchronous load of its last block while r3, ahead of it in the waiting
+# queue, is skipped; the load completes, but r4 waits behind r3 holding 9 blocks, and r3 needs
+# 6 of the 3 left: the waiting loop stops at r3 every step and never reaches r4.
+LOADED_BEHIND_BLOCKED = scheduler_trace(
+    [full(3), full(3), full(3)],
+    13,
+    1,
+    "sync",
+    [
+        {**add(0, 0, 3, 1), "seed": 2},
+        add(0, 3, 10, 1),
+        {**add(0, 10, 3, 1), "seed": 2},
+        add(0, 0, 1, 1),
+        add(0, 4, 9, 1),
+    ],
+)
+
 # Minimised on 0.33.0 (walk seed 32), the same on every release from 0.23.0: a one-token prompt
 # whose token is in the CPU tier is loaded, set back to "recompute the last token" (0 computed),
 # looked up as new and loaded again, into its own block that the first load cached: forever.
@@ -384,6 +403,10 @@ def test_the_deepest_group_hit_counts_attention_tokens_nobody_computed_in_0_24_a
 
 def test_a_state_group_prefill_never_starts_with_a_budget_below_a_block_before_0_30():
     assert outcome(STATE_CHUNK_STARVES) == ("liveness" if RELEASE < (0, 30) else None)
+
+
+def test_a_loaded_request_waits_forever_behind_one_that_cannot_fit_before_0_33():
+    assert outcome(LOADED_BEHIND_BLOCKED) == ("liveness" if RELEASE < (0, 33) else None)
 
 
 def test_a_failed_sliding_window_load_recomputes_without_its_window_in_every_release():
