@@ -65,7 +65,7 @@ def kinds(text: str) -> frozenset:
     allowed = sorted(KINDS) + ["target-crash"]
     names = [name.strip() for name in text.split(",")]
     unknown = [name for name in names if name not in allowed]
-    if unknown or not names:
+    if unknown:
         raise argparse.ArgumentTypeError(f"unknown kind(s) {unknown}; allowed: {', '.join(allowed)}")
     return frozenset(names)
 

@@ -171,31 +171,31 @@ def _smaller(value: int, lo: int):
             yield v
 
 
-def _with_allocator(config, **changes):
-    """``config`` with those allocator fields changed; None where that is no valid allocator
-    (a retention interval left with no group to thin)."""
+def _valid(make):
+    """``make()``, or None where the configuration it builds is not valid (a retention interval
+    left with no group to thin, a synchronous connector with a state group)."""
     try:
-        return attrs.evolve(config, allocator=attrs.evolve(config.allocator, **changes))
+        return make()
     except ConfigError:
         return None
+
+
+def _with_allocator(config, **changes):
+    """``config`` with those allocator fields changed; None where that is no valid allocator."""
+    return _valid(lambda: attrs.evolve(config, allocator=attrs.evolve(config.allocator, **changes)))
 
 
 def _with(config, **changes):
-    """``config`` with those engine fields changed; None where that is no valid configuration
-    (a synchronous connector with a state group)."""
-    try:
-        return attrs.evolve(config, **changes)
-    except ConfigError:
-        return None
+    """``config`` with those engine fields changed; None where that is no valid configuration."""
+    return _valid(lambda: attrs.evolve(config, **changes))
 
 
 def _with_drafts(config, k: int):
     """``config`` with ``k`` drafts, its state groups' scratch columns to match."""
     groups = tuple(attrs.evolve(g, speculative_blocks=k) if g.kind == "mamba" else g for g in config.allocator.groups)
-    try:
-        return attrs.evolve(config, speculative_tokens=k, allocator=attrs.evolve(config.allocator, groups=groups))
-    except ConfigError:
-        return None
+    return _valid(
+        lambda: attrs.evolve(config, speculative_tokens=k, allocator=attrs.evolve(config.allocator, groups=groups))
+    )
 
 
 def _simpler_configs(config):

@@ -112,17 +112,15 @@ def _walk_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: int) -
         events |= result.events
         if result.refused is not None:
             refused[result.refused] += 1
+        if result.failure is not None or time.monotonic() - last >= REPORT_EVERY:
+            out.put(("progress", runs, steps, events, refused))  # before any find, so it is counted
+            runs, steps, events, refused, last = 0, 0, set(), Counter(), time.monotonic()
         if result.failure is not None:
             found = tr.to_dict(attrs.evolve(result.trace, failure=result.failure))
-            out.put(("progress", runs, steps, events, refused))
-            runs, steps, events, refused, last = 0, 0, set(), Counter(), time.monotonic()
             if result.failure.kind not in opts.known:
                 out.put(("failure", i, index, found))
                 return
             out.put(("known", found))
-        if time.monotonic() - last >= REPORT_EVERY:
-            out.put(("progress", runs, steps, events, refused))
-            runs, steps, events, refused, last = 0, 0, set(), Counter(), time.monotonic()
         i += 1
     out.put(("progress", runs, steps, events, refused))
 

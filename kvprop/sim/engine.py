@@ -603,17 +603,19 @@ class Engine:
         for block, index, after in targets:
             slots.append(block * bs)
             values.append(state_fingerprint(g, after, request.prefix_at(after - 1)))
-            self._offload_state(g, block, index, after, offload)
+            entry = self._boundary_state(g, block, index, after)
+            if entry is not None:
+                offload.append(entry)
         self.state_columns[key] = (column, drafts)  # the offset is settled by the verification
 
-    def _offload_state(self, g: int, block: int, index: int, after: int, offload) -> None:
-        """A state written at its block's boundary into a cached block goes to the tier too (vLLM
-        0.30.0 on hands such boundary states to the connector, ``take_boundary_state_offloads``)."""
+    def _boundary_state(self, g: int, block: int, index: int, after: int):
+        """The tier entry (block hash, group, block) of a state written at its block's boundary into
+        a cached block, or None: vLLM 0.30.0 on hands such boundary states to the connector
+        (``take_boundary_state_offloads``)."""
         if self.connector is None or after != (index + 1) * self.block_size:
-            return
+            return None
         key = self.view.cache_key(block)
-        if key is not None:
-            offload.append((key[0], g, block))
+        return None if key is None else (key[0], g, block)
 
     def state_block(self, request: Request, g: int):
         """The block holding state group ``g``'s state after the request's computed tokens, as the
@@ -647,10 +649,9 @@ class Engine:
                 if dest != column or boundary != verified:
                     self.hooks.before_state_write(self, request, g, source, boundary, [(worker[dest], dest, boundary)])
                     self.memory.copy(source * bs, worker[dest] * bs)
-                    offload = []
-                    self._offload_state(g, worker[dest], dest, boundary, offload)
-                    if offload:
-                        self.connector.offload(offload)
+                    entry = self._boundary_state(g, worker[dest], dest, boundary)
+                    if entry is not None:
+                        self.connector.offload([entry])
                 if dest == column:
                     offset = 0
             self.state_columns[key] = (column, offset)

@@ -48,6 +48,20 @@ INSTALL_HINT = (
 _VLLM = None
 
 
+@contextlib.contextmanager
+def importing_vllm(target: str, what: str):
+    """vLLM's modules imported with their import-time warnings silenced; a missing piece is a
+    ConfigError that names ``target`` and says how to get it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            yield
+        except ImportError as e:
+            raise ConfigError(
+                f"target {target!r} needs {what} importable, but importing it failed ({e}); {INSTALL_HINT}"
+            ) from e
+
+
 def _import_vllm() -> SimpleNamespace:
     """vLLM's allocator API, imported once; a missing vLLM is a ConfigError that says how to install it."""
     global _VLLM
@@ -59,22 +73,16 @@ def _import_vllm() -> SimpleNamespace:
     # vLLM's logging themselves (a config file, or VLLM_CONFIGURE_LOGGING=0) is left alone.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     own_logging = os.environ.get("VLLM_LOGGING_CONFIG_PATH") or os.environ.get("VLLM_CONFIGURE_LOGGING") == "0"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            import torch
-            import vllm
-            from vllm.distributed import kv_events
-            from vllm.sampling_params import SamplingParams
-            from vllm.utils.hashing import sha256
-            from vllm.v1 import kv_cache_interface
-            from vllm.v1.core import kv_cache_utils
-            from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-            from vllm.v1.request import Request
-        except ImportError as e:
-            raise ConfigError(
-                f"target 'vllm' needs vLLM importable, but importing it failed ({e}); {INSTALL_HINT}"
-            ) from e
+    with importing_vllm("vllm", "vLLM"):
+        import torch
+        import vllm
+        from vllm.distributed import kv_events
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1 import kv_cache_interface
+        from vllm.v1.core import kv_cache_utils
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+        from vllm.v1.request import Request
     if not own_logging:
         _quiet_vllm_loggers(os.environ["VLLM_LOGGING_LEVEL"].upper())
     # vLLM's block hasher chains from NONE_HASH, which must be set once per process

@@ -10,11 +10,11 @@ the scheduler target cannot drive, before anything is built.
 from __future__ import annotations
 
 import atexit
+import functools
 import inspect
 import json
 import shutil
 import tempfile
-import warnings
 from types import SimpleNamespace
 
 from kvprop.allocator.specs import EngineConfig, Mamba
@@ -26,6 +26,7 @@ from kvprop.targets.vllm import (
     _environment,
     _import_vllm,
     _retention_setting,
+    importing_vllm,
     vllm_specs,
 )
 
@@ -39,19 +40,12 @@ def import_scheduler() -> SimpleNamespace:
     if _SCHED is not None:
         return _SCHED
     v = _import_vllm()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            from vllm import config as vc
-            from vllm.v1.core.sched.scheduler import Scheduler
-            from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
-            from vllm.v1.request import RequestStatus
-            from vllm.v1.structured_output import StructuredOutputManager
-        except ImportError as e:
-            raise ConfigError(
-                f"target 'vllm-scheduler' needs vLLM's scheduler importable, but importing it failed ({e}); "
-                f"{INSTALL_HINT}"
-            ) from e
+    with importing_vllm("vllm-scheduler", "vLLM's scheduler"):
+        from vllm import config as vc
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.request import RequestStatus
+        from vllm.v1.structured_output import StructuredOutputManager
     _SCHED = SimpleNamespace(
         v=v,
         config=vc,
@@ -130,12 +124,17 @@ def refusal(config: EngineConfig) -> str | None:
             f"{1 + config.speculative_tokens} (token_budget={config.token_budget})"
         )
     if config.connector != "off" and any(isinstance(spec, Mamba) for spec in config.allocator.groups):
-        # 0.22.1 asserts in _mamba_block_aligned_split that no external tokens reach a state
-        # group ("External KV connector is not verified yet"); read as text, nothing of it is run
-        split = inspect.getsource(import_scheduler().Scheduler._mamba_block_aligned_split)
-        if "External KV connector is not verified yet" in split:
+        if not _takes_connector_with_state_groups():
             return "this vLLM's scheduler does not take a KV connector with a Mamba group (it asserts so)"
     return None
+
+
+@functools.cache
+def _takes_connector_with_state_groups() -> bool:
+    """0.22.1 asserts in ``_mamba_block_aligned_split`` that no external tokens reach a state group
+    ("External KV connector is not verified yet"). The release's source is read as text, once."""
+    split = inspect.getsource(import_scheduler().Scheduler._mamba_block_aligned_split)
+    return "External KV connector is not verified yet" not in split
 
 
 def build_scheduler(config: EngineConfig):
