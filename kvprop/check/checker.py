@@ -34,7 +34,9 @@ class Checker(Hooks):
     """Every invariant, after every allocation and every operation; ``enabled=False`` is the
     bare engine (benchmarks measure what the checks cost)."""
 
-    def __init__(self, enabled: bool = True, full_every: int = 64):
+    FULL_EVERY = 64  # checks between full sweeps, when the view reports what changed
+
+    def __init__(self, enabled: bool = True, full_every: int = FULL_EVERY):
         self.enabled = enabled
         self.full_every = full_every
         self.mirror: Mirror | None = None

@@ -21,11 +21,21 @@ def execute(
     checks: bool = True,
     events: set | None = None,
     canary: bool = False,
+    full_sweeps: bool = False,
 ) -> Failure | None:
     """Replay ``trace`` step by step without Hypothesis; the first exception is the failure.
 
-    ``events``, when given, collects the names of the engine events the replay reached."""
-    harness = Harness(trace.config, variant=variant, target=target, device=device, checks=checks, canary=canary)
+    ``events``, when given, collects the names of the engine events the replay reached;
+    ``full_sweeps`` makes every check a full sweep instead of an incremental one."""
+    harness = Harness(
+        trace.config,
+        variant=variant,
+        target=target,
+        device=device,
+        checks=checks,
+        canary=canary,
+        full_sweeps=full_sweeps,
+    )
     try:
         return _run(harness, trace, on_step)
     finally:

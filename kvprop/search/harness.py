@@ -23,9 +23,12 @@ class Harness:
         checks: bool = True,
         target=None,
         canary: bool = False,
+        full_sweeps: bool = False,
     ):
         self.config = config
-        self.checker = Checker(enabled=checks)
+        # full_sweeps: every check sweeps every block and table, the reference the incremental
+        # checks are tested against (tests/test_incremental.py)
+        self.checker = Checker(enabled=checks, full_every=1 if full_sweeps else Checker.FULL_EVERY)
         self.engine = build_engine(
             config, variant=variant, target=target, device=device, hooks=self.checker, canary=canary
         )
