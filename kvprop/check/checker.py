@@ -16,20 +16,6 @@ from kvprop.check.mirror import Mirror
 from kvprop.sim.engine import Hooks
 
 
-class IdTables:
-    """The mirror's tables as block-id lists, converted only when a check reads one."""
-
-    def __init__(self, mirror: Mirror):
-        self.tables = mirror.tables
-
-    def __iter__(self):
-        return iter(self.tables)
-
-    def get(self, key, default=None):
-        table = self.tables.get(key)
-        return default if table is None else [b.block_id for b in table]
-
-
 class Checker(Hooks):
     """Every invariant, after every allocation and every operation; ``enabled=False`` is the
     bare engine (benchmarks measure what the checks cost)."""
@@ -206,7 +192,7 @@ class Checker(Hooks):
                 if self.signatures.get(request.request_id) != sig:
                     self.signatures[request.request_id] = sig
                     only.add(request.request_id)
-        inv.check_tables(engine, view, IdTables(self.mirror), self.mirror.keys, pending or {}, admitted_now, only)
+        inv.check_tables(engine, view, self.mirror.ids, self.mirror.keys, pending or {}, admitted_now, only)
         return None, self.mirror.keys, changed
 
     @staticmethod

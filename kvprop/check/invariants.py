@@ -278,9 +278,11 @@ def check_tables(
                     groups=[g],
                 )
             skipped_blocks = spec.skipped_tokens(computed) // bs
-            nulls = [i for i in _needed_entries(spec, table, skipped_blocks, computed) if table[i] == null]
-            if nulls:
-                i = nulls[0]
+            needed = _needed_entries(spec, table, skipped_blocks, computed)
+            # a slice searched in C decides; the generator names the first offending index
+            held = table[needed.start :] if isinstance(needed, range) else [table[i] for i in needed]
+            if null in held:
+                i = next(i for i in needed if table[i] == null)
                 raise Violation(
                     "null-in-attended-range",
                     f"{rid!r} group {g} has the null block at index {i}, but with {computed} computed tokens "
@@ -301,24 +303,34 @@ def check_tables(
                     groups=[g],
                 )
             cached_count_covers(rid, g, table, request.block_hashes, keys, num_cached, null)
-            # Retention lets a block no served hit can use be counted as cached without a hash
-            # (kvprop.check.retention); every other key is wrong.
-            retained = retained_indices(spec, interval, request, num_cached)
-            for i, (block_id, block_hash) in enumerate(zip(table[:num_cached], request.block_hashes)):
-                if block_id == null:
-                    continue
-                own = own_cache_key(block_hash, g)
-                key = keys[block_id]
-                if key != own and not (key is None and retained is not None and i not in retained):
-                    why = "" if retained is None else " (retention keeps that index)"
-                    raise Violation(
-                        "cached-block-lost-hash",
-                        f"{rid!r} group {g} counts block {block_id} (index {i}) as cached with its own hash "
-                        f"{own}, but the block is cached as {key}{why}",
-                        blocks=[block_id],
-                        requests=[rid],
-                        groups=[g],
-                    )
+            cached_prefix_keys(rid, g, spec, interval, request, table, keys, num_cached, null)
+
+
+def cached_prefix_keys(rid, g: int, spec, interval, request, table, keys, num_cached: int, null: int) -> None:
+    """6. Every real block a table counts as cached carries the request's own hash there.
+
+    Retention lets a block no served hit can use be counted as cached without a hash
+    (kvprop.check.retention); every other key is wrong. The first comparison only decides,
+    at C speed, that every key is its own (``own_cache_key``); the loop is the sentence."""
+    prefix = table[:num_cached]
+    if [keys[b] for b in prefix] == [None if b == null else (h, g) for b, h in zip(prefix, request.block_hashes)]:
+        return
+    retained = retained_indices(spec, interval, request, num_cached)
+    for i, (block_id, block_hash) in enumerate(zip(prefix, request.block_hashes)):
+        if block_id == null:
+            continue
+        own = own_cache_key(block_hash, g)
+        key = keys[block_id]
+        if key != own and not (key is None and retained is not None and i not in retained):
+            why = "" if retained is None else " (retention keeps that index)"
+            raise Violation(
+                "cached-block-lost-hash",
+                f"{rid!r} group {g} counts block {block_id} (index {i}) as cached with its own hash "
+                f"{own}, but the block is cached as {key}{why}",
+                blocks=[block_id],
+                requests=[rid],
+                groups=[g],
+            )
 
 
 def _needed_entries(spec, table, skipped_blocks: int, computed: int):

@@ -18,7 +18,8 @@ class Mirror:
     def __init__(self, view):
         self.view = view
         n = view.num_blocks
-        self.tables: dict[tuple[str, int], list] = {}
+        self.tables: dict[tuple[str, int], list] = {}  # the block objects, compared by identity
+        self.ids: dict[tuple[str, int], list[int]] = {}  # the same tables as block ids
         self.holders = [0] * n
         self.groups: list[Counter] = [Counter() for _ in range(n)]
         self.keys: list = [None] * n
@@ -60,6 +61,7 @@ class Mirror:
                 if old is not None:
                     self._count(key, old, -1, changed)
                 self.tables[key] = list(live)
+                self.ids[key] = [b.block_id for b in live]
                 self._count(key, live, +1, changed)
                 changed_tables.add(key)
         if requests is None:
@@ -71,12 +73,13 @@ class Mirror:
                 if k in self.tables and k not in seen
             ]
         for key in stale:
+            del self.ids[key]
             self._count(key, self.tables.pop(key), -1, changed)
             changed_tables.add(key)
         if check:
             for rid, g in changed_tables:
                 if (rid, g) in self.tables:
-                    inv.table_without_repeats(rid, g, [b.block_id for b in self.tables[(rid, g)]], view.null_block_id)
+                    inv.table_without_repeats(rid, g, self.ids[(rid, g)], view.null_block_id)
         self._judge(changed, check)
         return changed_tables
 
