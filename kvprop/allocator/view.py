@@ -60,6 +60,10 @@ class AllocatorView:
             for block_id in entry:
                 yield key, block_id
 
+    def cache_count(self, key) -> int:
+        """How many blocks the cache map holds under ``key`` (the event check compares keys that moved)."""
+        return len(self.pool.cached.get(key, ()))
+
     def request_ids(self, group: int):
         return self.managers[group].req_to_blocks.keys()
 

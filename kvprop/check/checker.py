@@ -207,13 +207,20 @@ class Checker(Hooks):
         inv.check_tables(engine, view, tables, keys, pending or {}, admitted_now)
         return tables, keys
 
-    def check_events(self, engine) -> None:
+    def check_events(self, engine, incremental: bool = False) -> None:
         """13, at every drain of the event queue: after each operation (vLLM's scheduler drains
-        it once per step), once the cache map itself has been judged."""
+        it once per step), once the cache map itself has been judged. Incrementally, only the
+        keys the events named or the mirror saw move are compared."""
         events = engine.take_kv_events()
-        if events is not None:
-            self.ledger.apply(events)
+        if events is None:
+            return
+        named = self.ledger.apply(events)
+        if incremental and hasattr(engine.view, "cache_count"):
+            self.ledger.compare_keys(engine.view, named | self.mirror.moved_keys)
+        else:
             self.ledger.compare(engine.view)
+        if self.mirror is not None:
+            self.mirror.moved_keys = set()
 
     def check_all(self, engine) -> None:
         if not self.enabled:
@@ -224,7 +231,7 @@ class Checker(Hooks):
             _, keys, changed = self.check_structure(engine)
             cached = [(b, keys[b]) for b in changed if keys[b] is not None]
             inv.check_recent_data(engine, engine.view, cached, self.expected_rows)
-            self.check_events(engine)
+            self.check_events(engine, incremental=True)
             return
         self.check_full(engine)
 

@@ -22,8 +22,12 @@ class EventLedger:
     def __init__(self):
         self.counts: Counter = Counter()
 
-    def apply(self, events) -> None:
+    def apply(self, events) -> set:
+        """Replays ``events``; returns the keys they name."""
+        named = set()
         for event in events:
+            if not isinstance(event, Cleared):
+                named.add(event.key)
             if isinstance(event, Stored):
                 self.counts[event.key] += 1
             elif isinstance(event, Removed):
@@ -37,16 +41,30 @@ class EventLedger:
                 if not self.counts[event.key]:
                     del self.counts[event.key]
             elif isinstance(event, Cleared):
+                named.update(self.counts)
                 self.counts.clear()
             else:
                 raise TypeError(f"not a KV cache event: {event!r}")
+        return named
 
     def compare(self, view) -> None:
+        """Every key, as the full sweep does."""
         actual = Counter(key for key, _ in view.cache_map_items())
         if actual != self.counts:
-            key = next(k for k in actual.keys() | self.counts.keys() if actual[k] != self.counts[k])
-            raise Violation(
-                "events-diverge",
-                f"replaying the KV cache events gives {self.counts[key]} block(s) under {key}, "
-                f"the cache map holds {actual[key]}",
-            )
+            self._diverged(actual, actual.keys() | self.counts.keys())
+
+    def compare_keys(self, view, keys) -> None:
+        """Only ``keys``: those the events since the last comparison named and those of the
+        blocks whose state changed (their old and new keys), the only ones that can have
+        diverged since; needs a view that counts one key's blocks (``cache_count``)."""
+        actual = {key: view.cache_count(key) for key in keys}
+        if any(n != self.counts.get(key, 0) for key, n in actual.items()):
+            self._diverged(Counter(actual), keys)
+
+    def _diverged(self, actual: Counter, keys) -> None:
+        key = min((k for k in keys if actual[k] != self.counts[k]), key=repr)  # the same one either way
+        raise Violation(
+            "events-diverge",
+            f"replaying the KV cache events gives {self.counts[key]} block(s) under {key}, "
+            f"the cache map holds {actual[key]}",
+        )

@@ -24,6 +24,7 @@ class Mirror:
         self.groups: list[Counter] = [Counter() for _ in range(n)]
         self.keys: list = [None] * n
         self.free = set(view.free_queue_ids())
+        self.moved_keys: set = set()  # old and new keys of every block judged since the last take
         view.take_changes()
         self.sync(set(range(n)), check=False)
 
@@ -58,11 +59,16 @@ class Mirror:
                 old = self.tables.get(key)
                 if old is not None and old == live:
                     continue
-                if old is not None:
-                    self._count(key, old, -1, changed)
+                if old is None:
+                    self._count(key, live, +1, changed)
+                else:
+                    # recount only the entries that differ: a table mostly grows at its end
+                    n, m = len(old), min(len(old), len(live))
+                    differ = [] if live[:n] == old else [i for i in range(m) if old[i] is not live[i]]
+                    self._count(key, [old[i] for i in differ] + old[m:], -1, changed)
+                    self._count(key, [live[i] for i in differ] + live[m:], +1, changed)
                 self.tables[key] = list(live)
                 self.ids[key] = [b.block_id for b in live]
-                self._count(key, live, +1, changed)
                 changed_tables.add(key)
         if requests is None:
             stale = [k for k in self.tables if k not in seen]
@@ -95,6 +101,10 @@ class Mirror:
             old_key = keys[block_id]
             ref_cnt, key, in_queue, links_ok, in_map, stale = view.block_state(block_id, old_key)
             keys[block_id] = key
+            if key is not None:
+                self.moved_keys.add(key)
+            if old_key is not None:
+                self.moved_keys.add(old_key)
             if in_queue:
                 free.add(block_id)
             else:
