@@ -21,12 +21,13 @@ from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_a
 
 from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow
 from kvprop.check.checker import Checker
+from kvprop.errors import ConfigError
 from kvprop.repro.minimise import minimise
 from kvprop.search import DRIVERS, fuzz, profiles
 from kvprop.search.execute import execute
 from kvprop.search.machine import machine_for, trace_length
 from kvprop.search.walk import plan
-from kvprop.targets.kvprop import build_kvprop_engine
+from kvprop.targets import build_engine
 from kvprop.targets.variants import VARIANTS
 
 
@@ -100,14 +101,18 @@ def throughput(quick: bool) -> list[dict]:
     return rows
 
 
-def _scaling_cell(num_blocks: int, live: int, checks: bool, steps: int) -> float:
-    """Seconds per engine step with ``live`` requests (refilled as they finish) over a ``num_blocks`` pool."""
+def _scaling_cell(
+    num_blocks: int, live: int, checks: bool, steps: int, tokens: int | None = None, target: str | None = None
+) -> float:
+    """Seconds per engine step with ``live`` requests (refilled as they finish) over a ``num_blocks``
+    pool; each request ``tokens`` long (by default as long as a fair share of the pool allows)."""
     config = EngineConfig(
         AllocatorConfig((FullAttention(4), SlidingWindow(4, 16)), num_blocks), token_budget=4096, connector="sync"
     )
     checker = Checker(enabled=checks)
-    engine = build_kvprop_engine(config, hooks=checker)
-    tokens = max(4, min(64, ((num_blocks - 1) // 2 // live) * 4))
+    engine = build_engine(config, target=target, hooks=checker)
+    if tokens is None:
+        tokens = max(4, min(64, ((num_blocks - 1) // 2 // live) * 4))
     added = [0]
 
     def refill():
@@ -127,23 +132,83 @@ def _scaling_cell(num_blocks: int, live: int, checks: bool, steps: int) -> float
     return (time.perf_counter() - start) / steps
 
 
+def _scaling_row(num_blocks: int, live: int, steps: int, tokens: int | None = None, target=None) -> dict:
+    on = _scaling_cell(num_blocks, live, True, steps, tokens, target)
+    off = _scaling_cell(num_blocks, live, False, steps, tokens, target)
+    return {
+        "blocks": num_blocks,
+        "live_requests": live,
+        "tokens": tokens or "share",
+        "steps_per_s": round(1 / on),
+        "unchecked_steps_per_s": round(1 / off),
+        "check_us_per_step": round((on - off) * 1e6, 1),
+        "check_vs_step": round((on - off) / off, 2),
+    }
+
+
+# Requests as long at every pool size: what the checks cost as the pool grows, tables alike.
+SAME_REQUESTS = (8, 64)  # live requests, tokens each
+
+
 def scaling(quick: bool) -> list[dict]:
     steps = 60 if quick else 300
     rows = []
     for num_blocks in (16, 256, 4096):
         for live in (1, 8, 64):
             _progress(f"scaling: {num_blocks} blocks, {live} live requests")
-            on = _scaling_cell(num_blocks, live, True, steps)
-            off = _scaling_cell(num_blocks, live, False, steps)
-            rows.append(
-                {
-                    "blocks": num_blocks,
-                    "live_requests": live,
-                    "steps_per_s": round(1 / on),
-                    "unchecked_steps_per_s": round(1 / off),
-                    "check_us_per_step": round((on - off) * 1e6, 1),
-                }
-            )
+            rows.append(_scaling_row(num_blocks, live, steps))
+    live, tokens = SAME_REQUESTS
+    for num_blocks in (256, 4096):
+        _progress(f"scaling: {num_blocks} blocks, {live} live requests of {tokens} tokens")
+        rows.append(_scaling_row(num_blocks, live, steps, tokens))
+    return rows
+
+
+def _vllm_walk_rate(seconds: float, checks: bool) -> tuple[float, int]:
+    """Operations/s of walks (sampled configurations, as ``kvprop fuzz --target vllm`` runs them)."""
+    steps, seed, start = 0, 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        executed: list = []
+        execute(plan(seed), target="vllm", checks=checks, on_step=_recorder(executed))
+        steps += len(executed)
+        seed += 1
+    return steps / (time.perf_counter() - start), steps
+
+
+def vllm(quick: bool) -> list[dict]:
+    """vLLM's allocator as the target (run from a vLLM environment, ``make vllm-env``): walk
+    throughput, and the engine step at two pool sizes with the view's change tracking by
+    snapshots and by watched blocks (``kvprop.targets.vllm.WATCH_FROM_BLOCKS``)."""
+    from kvprop.targets import vllm as target
+
+    try:
+        _vllm_walk_rate(0.01, False)  # imports vLLM, outside the measurement
+    except ConfigError as e:
+        return [{"measure": "vLLM target", "value": f"not measured: {e}", "steps": 0}]
+    seconds, steps = (2.0, 20) if quick else (8.0, 60)
+    rows = []
+    for checks in (True, False):
+        _progress(f"vLLM target: walk, checks {'on' if checks else 'off'}")
+        rate, n = _vllm_walk_rate(seconds, checks)
+        rows.append({"measure": f"walk, checks {'on' if checks else 'off'} (ops/s)", "value": round(rate), "steps": n})
+    saved = target.WATCH_FROM_BLOCKS
+    try:
+        for num_blocks in (256, 4096):
+            for watched in (False, True):
+                target.WATCH_FROM_BLOCKS = 0 if watched else 10**9
+                how = "watched blocks" if watched else "snapshots"
+                _progress(f"vLLM target: {num_blocks} blocks, 64 live, {how}")
+                row = _scaling_row(num_blocks, 64, steps, target="vllm")
+                rows.append(
+                    {
+                        "measure": f"{num_blocks} blocks, 64 live, {how}: check us per step",
+                        "value": row["check_us_per_step"],
+                        "steps": steps,
+                        "vs_unchecked_step": row["check_vs_step"],
+                    }
+                )
+    finally:
+        target.WATCH_FROM_BLOCKS = saved
     return rows
 
 
@@ -158,42 +223,42 @@ def _fresh_directory():
             os.chdir(old)
 
 
-def time_to_find(quick: bool) -> list[dict]:
-    seeds = range(3) if quick else range(5)
-    cap = {"walk": 20.0 if quick else 60.0, "hypothesis": 60.0 if quick else 180.0}
-    rows = []
-    for variant in VARIANTS:
-        for driver in DRIVERS:
-            secs, steps, shrunk = [], [], []
-            for seed in seeds:
-                _progress(f"time to find: {variant}, {driver}, seed {seed}")
-                with _fresh_directory():  # an empty Hypothesis example database for every search
-                    result = fuzz.search(
-                        fuzz.FuzzOptions(
-                            seconds=cap[driver], workers=1, seed=seed * 1000, driver=driver, variant=variant
-                        )
-                    )
-                if result.found is None:
-                    continue
-                best = minimise(result.found, variant=variant)
-                secs.append(result.seconds_to_find)
-                steps.append(result.steps)
-                shrunk.append(trace_length(best))
-            rows.append(
-                {
-                    "variant": variant,
-                    "driver": driver,
-                    "seeds": len(seeds),
-                    "found": len(secs),
-                    "median_s": round(statistics.median(secs), 2) if secs else None,
-                    "max_s": round(max(secs), 2) if secs else None,
-                    "median_steps": int(statistics.median(steps)) if steps else None,
-                    "max_steps": max(steps) if steps else None,
-                    "median_minimised": statistics.median(shrunk) if shrunk else None,
-                    "cap_s": cap[driver],
-                }
+def _find_row(variant: str, driver: str, seeds, cap: float) -> dict:
+    """One variant found from scratch by one driver over ``seeds``, each search capped at ``cap`` s."""
+    secs, steps, shrunk = [], [], []
+    for seed in seeds:
+        _progress(f"time to find: {variant}, {driver}, seed {seed}")
+        with _fresh_directory():  # an empty Hypothesis example database for every search
+            result = fuzz.search(
+                fuzz.FuzzOptions(seconds=cap, workers=1, seed=seed * 1000, driver=driver, variant=variant)
             )
-    return rows
+        if result.found is None:
+            continue
+        best = minimise(result.found, variant=variant)
+        secs.append(result.seconds_to_find)
+        steps.append(result.steps)
+        shrunk.append(trace_length(best))
+    return {
+        "variant": variant,
+        "driver": driver,
+        "seeds": len(seeds),
+        "found": len(secs),
+        "median_s": round(statistics.median(secs), 2) if secs else None,
+        "max_s": round(max(secs), 2) if secs else None,
+        "median_steps": int(statistics.median(steps)) if steps else None,
+        "max_steps": max(steps) if steps else None,
+        "median_minimised": statistics.median(shrunk) if shrunk else None,
+        "cap_s": cap,
+    }
+
+
+def _find_caps(quick: bool) -> tuple[range, dict]:
+    return (range(3) if quick else range(5)), {"walk": 20.0 if quick else 60.0, "hypothesis": 60.0 if quick else 180.0}
+
+
+def time_to_find(quick: bool) -> list[dict]:
+    seeds, cap = _find_caps(quick)
+    return [_find_row(variant, driver, seeds, cap[driver]) for variant in VARIANTS for driver in DRIVERS]
 
 
 def _table(title: str, rows: list[dict]) -> str:
@@ -219,11 +284,73 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def main(quick: bool = False, as_json: bool = False, parts=("throughput", "scaling", "time_to_find")) -> int:
-    funcs = {"throughput": throughput, "scaling": scaling, "time_to_find": time_to_find}
-    result = {}
+CROSS_GROUP = "interleaved-external-alloc"  # the motivating bug: the speed issue's time-to-find rows
+
+
+def _rate(rows, driver) -> float | None:
+    return next((r["steps_per_s"] for r in rows if r["driver"] == driver), None)
+
+
+def _cell(rows, blocks, live, tokens="share") -> dict | None:
+    return next((r for r in rows if (r["blocks"], r["live_requests"], r["tokens"]) == (blocks, live, tokens)), None)
+
+
+def targets(quick: bool, result: dict) -> list[dict]:
+    """The speed issue's rows from the measurements above (measuring what is missing), each
+    with its target and whether this run meets it."""
+    tp = result.get("throughput") or throughput(quick)
+    sc = result.get("scaling") or scaling(quick)
+    found = [r for r in result.get("time_to_find", ()) if r["variant"] == CROSS_GROUP]
+    if not found:
+        seeds, cap = _find_caps(quick)
+        found = [_find_row(CROSS_GROUP, driver, seeds, cap[driver]) for driver in DRIVERS]
+    walk_on, walk_off = _rate(tp, "walk, all checks"), _rate(tp, "walk, checks off")
+    machine, trivial = _rate(tp, "state machine, all checks"), _rate(tp, "Hypothesis, trivial rule")
+    big, small = _cell(sc, 4096, 64), _cell(sc, 256, 64)
+    live, tokens = SAME_REQUESTS
+    big_same, small_same = _cell(sc, 4096, live, tokens), _cell(sc, 256, live, tokens)
+    walk, hyp = ({r["driver"]: r for r in found}.get(d, {}) for d in DRIVERS)
+
+    def row(measure, value, target, met):
+        return {"measure": measure, "value": value, "target": target, "met": "yes" if met else "no"}
+
+    rows = [
+        row("walk, 64 blocks: checked / unchecked", round(walk_on / walk_off, 2), ">= 0.7", walk_on >= 0.7 * walk_off),
+        row("walk, 64 blocks: checked ops/s", walk_on, ">= 15,000 (quiet core)", walk_on >= 15_000),
+        row("state machine checked / trivial rule", round(machine / trivial, 2), ">= 0.5", machine >= 0.5 * trivial),
+        row("4,096 blocks, 64 live: check / unchecked step", big["check_vs_step"], "<= 1", big["check_vs_step"] <= 1),
+    ]
+    ratio = big["check_us_per_step"] / small["check_us_per_step"]
+    rows.append(row("check cost 4,096 / 256 blocks, 64 live", round(ratio, 2), "<= 1.2", ratio <= 1.2))
+    ratio = big_same["check_us_per_step"] / small_same["check_us_per_step"]
+    measure = f"check cost 4,096 / 256 blocks, {live} live x {tokens} tokens"
+    rows.append(row(measure, round(ratio, 2), "<= 1.2", ratio <= 1.2))
+    for name, r, steps_target, secs_target in (("walk", walk, None, 0.3), ("state machine", hyp, 8000, 2.0)):
+        if not r.get("found"):
+            rows.append(row(f"cross-group bug, {name}: median steps / s", "not found", "found", False))
+            continue
+        met = r["median_s"] <= secs_target and (steps_target is None or r["median_steps"] <= steps_target)
+        target = f"<= {secs_target} s" if steps_target is None else f"<= {steps_target:,} steps, <= {secs_target} s"
+        value = f"{r['median_steps']:,} / {r['median_s']} s"
+        rows.append(row(f"cross-group bug, {name}: median steps / s", value, target, met))
+    vl = result.get("vllm")
+    if vl and isinstance(vl[0]["value"], (int, float)):
+        rate = vl[0]["value"]
+        rows.append(row("vLLM target: walk, checked ops/s", rate, ">= 3x ~1,800 (5,400)", rate >= 5400))
+    else:
+        rows.append(row("vLLM target: walk, checked ops/s", "not measured (part vllm)", ">= 5,400", False))
+    return rows
+
+
+PARTS = ("throughput", "scaling", "time_to_find", "vllm", "targets")
+DEFAULT_PARTS = ("throughput", "scaling", "time_to_find", "targets")
+
+
+def main(quick: bool = False, as_json: bool = False, parts=DEFAULT_PARTS) -> int:
+    funcs = {"throughput": throughput, "scaling": scaling, "time_to_find": time_to_find, "vllm": vllm}
+    result: dict = {}
     for part in parts:
-        result[part] = funcs[part](quick)
+        result[part] = targets(quick, result) if part == "targets" else funcs[part](quick)
         if not as_json:
             print(_table(part.replace("_", " "), result[part]) + "\n", flush=True)
     if as_json:

@@ -191,6 +191,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench = command("bench", c.cmd_bench, "throughput, scaling and time-to-find tables")
     bench.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     bench.add_argument("--quick", action="store_true", help="shorter runs")
+    bench.add_argument(
+        "parts",
+        nargs="*",
+        choices=("throughput", "scaling", "time_to_find", "vllm", "targets"),
+        metavar="PART",
+        help="which tables: throughput, scaling, time_to_find, vllm (run from a vLLM environment), targets "
+        "(the speed issue's rows); default: all but vllm",
+        default=None,
+    )
     return p
 
 

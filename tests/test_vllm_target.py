@@ -169,18 +169,22 @@ def test_engine_on_vllm_runs_to_completion_with_every_check():
     assert engine.view.num_free_blocks == 23 and not engine.view.request_ids(0)
 
 
-def test_incremental_checks_find_what_full_sweeps_find(monkeypatch):
-    """The view's snapshot-based change tracking loses nothing: every walk ends the same way
-    (same kind of violation at the same step; which block is named first may differ) with
-    incremental checks as with a full sweep at every check."""
-    from kvprop.targets.vllm import VllmView
+@pytest.mark.parametrize("watched", [False, True], ids=["snapshots", "watched-blocks"])
+def test_incremental_checks_find_what_full_sweeps_find(monkeypatch, watched):
+    """The view's change tracking loses nothing, by snapshots (small pools) or by watching
+    vLLM's blocks (large pools; here every pool): every walk ends the same way (same kind of
+    violation at the same step; which block is named first may differ) with incremental
+    checks as with a full sweep at every check."""
+    from kvprop.targets import vllm
+
+    monkeypatch.setattr(vllm, "WATCH_FROM_BLOCKS", 0 if watched else 10**9)
 
     def outcomes():
         results = (run_walk(seed, target="vllm") for seed in range(40))
         return [(r.steps_run, r.failure and (r.failure.kind, r.failure.step)) for r in results]
 
     incremental = outcomes()
-    monkeypatch.delattr(VllmView, "take_changes")
+    monkeypatch.delattr(vllm.VllmView, "take_changes")
     assert outcomes() == incremental
 
 

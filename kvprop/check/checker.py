@@ -4,7 +4,8 @@ Corruption can be transient — a duplicated block can be written and freed agai
 one engine step — so structural checks also run right after every allocation, where
 blocks change hands, not only between operations. Where the view reports which blocks
 changed, checks are incremental (see ``kvprop.check.mirror``) with a full sweep every
-``full_every`` checks and at the end of every run; otherwise every check is a full sweep.
+``full_every`` checks (more apart in a larger pool, see ``sweep_interval``) and at the end of
+every run; otherwise every check is a full sweep.
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ class Checker(Hooks):
         self.ledger = EventLedger()
         self.states_at_step_start: frozenset = frozenset()  # (block, key) of every cached state block
         self.cached_by_allocations: set = set()  # keys of state blocks an allocation cached in this step
+
+    def sweep_interval(self, engine) -> int:
+        """Checks between full sweeps: ``full_every``, and in a pool of more than
+        ``4 * full_every`` blocks one sweep per ``num_blocks / 4`` checks, so that a sweep,
+        which costs O(pool), adds about the same per check at any pool size."""
+        return max(self.full_every, engine.view.num_blocks // 4) if self.full_every > 1 else 1
 
     def incremental(self, engine) -> bool:
         return self.full_every > 1 and hasattr(engine.view, "take_changes")
@@ -227,7 +234,7 @@ class Checker(Hooks):
             engine.take_kv_events()  # drained all the same, as a scheduler would: never piles up
             return
         self.num_checks += 1
-        if self.incremental(engine) and self.num_checks % self.full_every:
+        if self.incremental(engine) and self.num_checks % self.sweep_interval(engine):
             _, keys, changed = self.check_structure(engine)
             cached = [(b, keys[b]) for b in changed if keys[b] is not None]
             inv.check_recent_data(engine, engine.view, cached, self.expected_rows)

@@ -457,6 +457,47 @@ class VllmAllocator:
 # ---- the view ---------------------------------------------------------------------------
 
 
+# From this pool size on, blocks are watched rather than compared with a snapshot at every
+# check: a watched write costs a Python call in vLLM's every block update, which below this
+# size costs more than the snapshot (README, benchmarks: the vLLM target rows).
+WATCH_FROM_BLOCKS = 256
+
+
+def _block_state(b) -> tuple:
+    """What the checker tracks of a vLLM block: its count, its hash, whether it is queued."""
+    return b.ref_cnt, b.block_hash, b.prev_free_block is not None or b.next_free_block is not None
+
+
+def _watch_blocks(blocks: list) -> dict | None:
+    """Makes vLLM's pool blocks note their state (``_block_state``) before vLLM's first write to
+    one of their attributes since the last look, in a dict it returns; None if the release's
+    block class cannot be watched.
+
+    The blocks become instances of a subclass that adds no field and only notes the state
+    before the write, so vLLM's code runs unchanged; the checker then compares the blocks
+    that were written with their state before (exactly what a snapshot of the whole pool
+    would find changed) instead of the whole pool at every check."""
+    if not blocks:
+        return None
+    base = type(blocks[0])
+    before: dict = {}
+
+    def __setattr__(self, name, value):  # noqa: N807 - the hook Python calls
+        if self.block_id not in before:
+            before[self.block_id] = _block_state(self)
+        base.__setattr__(self, name, value)
+
+    watched = type(base.__name__, (base,), {"__slots__": (), "__setattr__": __setattr__})
+    try:
+        for block in blocks:
+            block.__class__ = watched
+    except TypeError:
+        for block in blocks:
+            block.__class__ = base
+        return None
+    return before
+
+
 class VllmView:
     """vLLM's allocator state in kvprop's terms (``kvprop.allocator.view.AllocatorView``'s calls).
 
@@ -478,7 +519,8 @@ class VllmView:
         self.null_block_id = self.pool.null_block.block_id
         self._names: dict = {}  # vLLM key -> kvprop key, for keys whose hash is recorded
         self._vllm_keys: dict = {}  # kvprop key -> the vLLM key it was read from
-        self._states = self._block_states()
+        self._written = _watch_blocks(self.pool.blocks) if self.num_blocks >= WATCH_FROM_BLOCKS else None
+        self._states = None if self._written is not None else self._block_states()
 
     def ref_cnt(self, block_id: int) -> int:
         return self.pool.blocks[block_id].ref_cnt
@@ -568,22 +610,35 @@ class VllmView:
     # ---- what lets the checker verify only what changed ----------------------------------
 
     def _block_states(self) -> list:
-        return [
-            (b.ref_cnt, b.block_hash, b.prev_free_block is not None or b.next_free_block is not None)
-            for b in self.pool.blocks
-        ]
+        return [_block_state(b) for b in self.pool.blocks]
 
     def take_changes(self) -> set[int]:
         """Ids of blocks whose count, hash or free-queue membership changed since the last call.
 
-        vLLM reports no changes, so this compares every block with the previous call's
-        snapshot (one small tuple per block). As with kvprop's own pool, a block whose
-        neighbours were relinked is not itself a change; the periodic full sweep walks the
-        whole queue."""
+        vLLM reports no changes, so in a large pool its blocks are watched (``_watch_blocks``);
+        in a small one, or where a release's block class cannot be watched, every block is
+        compared with the previous call's snapshot (one small tuple per block). As with
+        kvprop's own pool, the periodic full sweep walks the whole queue."""
+        if self._written is not None:
+            blocks = self.pool.blocks
+            changed = {i for i, state in self._written.items() if _block_state(blocks[i]) != state}
+            self._written.clear()
+            return changed
         states = self._block_states()
         changed = {i for i, (old, new) in enumerate(zip(self._states, states, strict=True)) if old != new}
         self._states = states
         return changed
+
+    def cache_count(self, key) -> int:
+        """How many blocks vLLM's cache map holds under ``key``, a key this view named (the
+        event check compares only keys that moved; a key never named counts by a scan)."""
+        vllm_key = self._vllm_keys.get(key)
+        if vllm_key is None:
+            return sum(1 for k, _ in self.cache_map_items() if k == key)
+        entry = self.pool.cached_block_hash_to_block._cache.get(vllm_key)
+        if entry is None:
+            return 0
+        return len(entry) if isinstance(entry, dict) else 1
 
     def raw_table(self, group: int, request_id: str):
         """The live table (vLLM's block objects, compared by identity); never mutated."""
