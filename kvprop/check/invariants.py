@@ -352,7 +352,7 @@ def check_data(engine, view, tables, keys, memo: dict) -> None:
     """Every computed position of a running request reads back its fingerprint; every cached
     block holds the data of the prefix its hash names; the null block is never written."""
     bs, null, memory = view.block_size, view.null_block_id, engine.memory
-    slots, expected, origin = [], [], []
+    slots, expected, origin = [], [], Origins()
     for rid, request in engine.requests.items():
         if request.status not in (Status.RUNNING, Status.LOADED):
             continue
@@ -396,7 +396,8 @@ def check_recent_data(engine, view, changed_cached, memo: dict) -> None:
     slots, expected = memory.take_recent_writes()
     if not slots and not changed_cached:
         return
-    origin = [("a write this step", -1, s % bs, s // bs) for s in slots]
+    origin = Origins()
+    origin.run(len(slots), lambda j: ("a write this step", -1, slots[j] % bs, slots[j] // bs))
     _expect_cached_and_null(engine, view, changed_cached, slots, expected, origin, memo)
     report_mismatch(memory, slots, expected, origin)
 
@@ -429,10 +430,31 @@ def _expect_cached_and_null(engine, view, cached, slots, expected, origin, memo)
         start, row = rows
         slots.extend(range(block_id * bs, block_id * bs + len(row)))
         expected.extend(row)
-        origin.extend((f"cached{key}", key[1], start + j, block_id) for j in range(len(row)))
+        origin.run(len(row), lambda j, k=key, p=start, b=block_id: (f"cached{k}", k[1], p + j, b))
     slots.extend(range(null * bs, null * bs + bs))
     expected.extend([UNWRITTEN] * bs)
-    origin.extend(("null block", -1, j, null) for j in range(bs))
+    origin.run(bs, lambda j: ("null block", -1, j, null))
+
+
+class Origins:
+    """What each expected slot is ((who, group, position, block)), kept as runs and spelled
+    out only when a report needs one: most checks find nothing wrong."""
+
+    def __init__(self):
+        self.runs: list = []  # (length, function of the offset in the run)
+
+    def append(self, entry: tuple) -> None:
+        self.runs.append((1, lambda j, entry=entry: entry))
+
+    def run(self, length: int, at) -> None:
+        self.runs.append((length, at))
+
+    def __getitem__(self, i: int) -> tuple:
+        for length, at in self.runs:
+            if i < length:
+                return at(i)
+            i -= length
+        raise IndexError(i)
 
 
 def report_mismatch(memory, slots, expected, origin) -> None:

@@ -71,14 +71,14 @@ class PagedMemory:
         return self.flat[self._index(slots)].tolist()
 
     def mismatches(self, slots: list[int], expected: list[int]) -> list[int]:
-        """Indices into ``slots`` whose stored value differs from ``expected`` (usually none)."""
+        """Indices into ``slots`` whose stored value differs from ``expected`` (usually none):
+        one gather, read back as a list."""
         if not slots:
             return []
-        got = self.flat[self._index(slots)]
-        bad = got != torch.as_tensor(expected, dtype=torch.int64, device=self.device)
-        if not bool(bad.any()):
+        got = self.flat[self._index(slots)].tolist()
+        if got == expected:
             return []
-        return bad.nonzero().flatten().tolist()
+        return [i for i, (a, b) in enumerate(zip(got, expected)) if a != b]
 
     def row(self, block_id: int) -> list[int]:
         return self.data[block_id].tolist()
