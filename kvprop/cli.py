@@ -194,13 +194,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "parts",
         nargs="*",
-        choices=("throughput", "scaling", "time_to_find", "vllm", "targets"),
+        type=_bench_part,
         metavar="PART",
         help="which tables: throughput, scaling, time_to_find, vllm (run from a vLLM environment), targets "
         "(the speed issue's rows); default: all but vllm",
         default=None,
     )
     return p
+
+
+BENCH_PARTS = ("throughput", "scaling", "time_to_find", "vllm", "targets")
+
+
+def _bench_part(text: str) -> str:
+    # not argparse's choices: with nargs="*" it rejects an empty list (no part named)
+    if text not in BENCH_PARTS:
+        raise argparse.ArgumentTypeError(f"invalid part {text!r} (choose from {', '.join(BENCH_PARTS)})")
+    return text
 
 
 def main(argv=None) -> int:

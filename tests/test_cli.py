@@ -177,3 +177,12 @@ def test_agree_with_a_target_that_wraps_kvprops_allocator_agrees():
 def test_agree_with_a_bad_target_exits_2_and_says_why(target, says):
     r = kvprop("agree", "--target", target, "--walks", "2", cwd=ROOT)
     assert (r.returncode, says in r.stderr, "Traceback" in r.stderr) == (2, True, False), r.stderr
+
+
+# ---- bench --------------------------------------------------------------------------------
+
+
+def test_bench_with_an_unknown_part_exits_2_and_lists_the_parts():
+    r = kvprop("bench", "nosuch", cwd=ROOT)
+    says = "invalid part 'nosuch' (choose from throughput, scaling, time_to_find, vllm, targets)"
+    assert (r.returncode, says in r.stderr, "Traceback" in r.stderr) == (2, True, False), r.stderr
