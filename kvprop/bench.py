@@ -342,7 +342,6 @@ def targets(quick: bool, result: dict) -> list[dict]:
     return rows
 
 
-PARTS = ("throughput", "scaling", "time_to_find", "vllm", "targets")
 DEFAULT_PARTS = ("throughput", "scaling", "time_to_find", "targets")
 
 

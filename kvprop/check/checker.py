@@ -219,15 +219,16 @@ class Checker(Hooks):
         it once per step), once the cache map itself has been judged. Incrementally, only the
         keys the events named or the mirror saw move are compared."""
         events = engine.take_kv_events()
+        moved = set()
+        if self.mirror is not None:  # taken even without events, so that it never piles up
+            moved, self.mirror.moved_keys = self.mirror.moved_keys, set()
         if events is None:
             return
         named = self.ledger.apply(events)
         if incremental and hasattr(engine.view, "cache_count"):
-            self.ledger.compare_keys(engine.view, named | self.mirror.moved_keys)
+            self.ledger.compare_keys(engine.view, named | moved)
         else:
             self.ledger.compare(engine.view)
-        if self.mirror is not None:
-            self.mirror.moved_keys = set()
 
     def check_all(self, engine) -> None:
         if not self.enabled:
