@@ -1,5 +1,6 @@
 """End to end through the ``kvprop`` command: find, minimise, replay, emit a test."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -185,4 +186,13 @@ def test_agree_with_a_bad_target_exits_2_and_says_why(target, says):
 def test_bench_with_an_unknown_part_exits_2_and_lists_the_parts():
     r = kvprop("bench", "nosuch", cwd=ROOT)
     says = "invalid part 'nosuch' (choose from throughput, scaling, time_to_find, vllm, targets)"
+    assert (r.returncode, says in r.stderr, "Traceback" in r.stderr) == (2, True, False), r.stderr
+
+
+def test_bench_vllm_without_vllm_exits_2_and_says_how_to_get_it():
+    pytest.importorskip("torch")
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is importable here")
+    r = kvprop("bench", "vllm", cwd=ROOT)
+    says = "target 'vllm' needs vLLM importable"
     assert (r.returncode, says in r.stderr, "Traceback" in r.stderr) == (2, True, False), r.stderr
