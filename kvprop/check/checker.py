@@ -33,7 +33,9 @@ class Checker(Hooks):
         self.num_checks = 0
         self.expected_rows: dict = {}  # cache key -> what a block cached under it must hold
         self.ledger = EventLedger()
-        self.states_at_step_start: frozenset = frozenset()  # (block, key) of every cached state block
+        # (block, key) of every cached state block when the step began; None where the mirror
+        # notes keys at the step's start instead (step_starts)
+        self.states_at_step_start: frozenset | None = frozenset()
         self.cached_by_allocations: set = set()  # keys of state blocks an allocation cached in this step
 
     def sweep_interval(self, engine) -> int:
@@ -48,9 +50,19 @@ class Checker(Hooks):
     # ---- in-step hooks ----------------------------------------------------------------
 
     def step_starts(self, engine) -> None:
-        if engine.state_groups:
+        """Marks where the step begins for the same-step state rule. Incrementally, the mirror
+        notes each block's key at the step's start the first time the block moves
+        (``Mirror.first_keys``); otherwise every cached state block is listed."""
+        if not (self.enabled and engine.state_groups):
+            return
+        self.cached_by_allocations = set()
+        if self.incremental(engine) and self.mirror is not None:
+            view = engine.view
+            self.pending_changes |= view.take_changes()  # moved, not yet judged: their key now is the start's
+            self.mirror.first_keys = {block_id: view.cache_key(block_id) for block_id in self.pending_changes}
+            self.states_at_step_start = None
+        else:
             self.states_at_step_start = frozenset(self._cached_states(engine))
-            self.cached_by_allocations = set()
 
     @staticmethod
     def _cached_states(engine):
@@ -68,7 +80,20 @@ class Checker(Hooks):
         if not engine.state_groups:
             return set()
         start = self.states_at_step_start
-        since = {key for block_id, key in self._cached_states(engine) if (block_id, key) not in start}
+        if start is not None:
+            since = {key for block_id, key in self._cached_states(engine) if (block_id, key) not in start}
+            return since | self.cached_by_allocations
+        # Only blocks that moved since the step began can hold a state key they did not hold then.
+        view, first, mirror_keys = engine.view, self.mirror.first_keys, self.mirror.keys
+        moved = view.take_changes()
+        self.pending_changes |= moved
+        for block_id in moved:
+            first.setdefault(block_id, mirror_keys[block_id])  # not judged since the start: the mirror's key
+        since = set()
+        for block_id, key_at_start in first.items():
+            key = view.cache_key(block_id)
+            if key is not None and key[1] in engine.state_groups and key != key_at_start:
+                since.add(key)
         return since | self.cached_by_allocations
 
     def _note_cached_states(self, engine, request_id: str, cached_before: dict) -> None:

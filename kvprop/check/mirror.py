@@ -25,6 +25,7 @@ class Mirror:
         self.keys: list = [None] * n
         self.free = set(view.free_queue_ids())
         self.moved_keys: set = set()  # old and new keys of every block judged since the last take
+        self.first_keys: dict | None = None  # block -> its key when the step began, once it moves (the checker's)
         view.take_changes()
         self.sync(set(range(n)), check=False)
 
@@ -97,8 +98,11 @@ class Mirror:
         whether to call it; the sentence in ``invariants`` decides and words the violation."""
         view, null, num_groups = self.view, self.view.null_block_id, self.view.num_groups
         keys, free, holders_of, groups_of = self.keys, self.free, self.holders, self.groups
+        first_keys = self.first_keys
         for block_id in changed:
             old_key = keys[block_id]
+            if first_keys is not None and block_id not in first_keys:
+                first_keys[block_id] = old_key
             ref_cnt, key, in_queue, links_ok, in_map, stale = view.block_state(block_id, old_key)
             keys[block_id] = key
             if key is not None:
