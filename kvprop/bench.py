@@ -19,7 +19,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
 
-from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow
+from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, Mamba, SlidingWindow
 from kvprop.check.checker import Checker
 from kvprop.repro.minimise import minimise
 from kvprop.search import DRIVERS, fuzz, profiles
@@ -105,14 +105,26 @@ def throughput(quick: bool) -> list[dict]:
     return rows
 
 
+# The scaling rows' model shapes: groups and connector (a state group takes no synchronous one).
+SHAPES = {
+    "fa+swa": ((FullAttention(4), SlidingWindow(4, 16)), {"connector": "sync"}),
+    "fa+mamba": ((FullAttention(4), Mamba(4)), {}),
+}
+
+
 def _scaling_cell(
-    num_blocks: int, live: int, checks: bool, steps: int, tokens: int | None = None, target: str | None = None
+    num_blocks: int,
+    live: int,
+    checks: bool,
+    steps: int,
+    tokens: int | None = None,
+    target: str | None = None,
+    shape: str = "fa+swa",
 ) -> float:
     """Seconds per engine step with ``live`` requests (refilled as they finish) over a ``num_blocks``
     pool; each request ``tokens`` long (by default as long as a fair share of the pool allows)."""
-    config = EngineConfig(
-        AllocatorConfig((FullAttention(4), SlidingWindow(4, 16)), num_blocks), token_budget=4096, connector="sync"
-    )
+    groups, connector = SHAPES[shape]
+    config = EngineConfig(AllocatorConfig(groups, num_blocks), token_budget=4096, **connector)
     checker = Checker(enabled=checks)
     engine = build_engine(config, target=target, hooks=checker)
     if tokens is None:
@@ -136,10 +148,13 @@ def _scaling_cell(
     return (time.perf_counter() - start) / steps
 
 
-def _scaling_row(num_blocks: int, live: int, steps: int, tokens: int | None = None, target=None) -> dict:
-    on = _scaling_cell(num_blocks, live, True, steps, tokens, target)
-    off = _scaling_cell(num_blocks, live, False, steps, tokens, target)
+def _scaling_row(
+    num_blocks: int, live: int, steps: int, tokens: int | None = None, target=None, shape: str = "fa+swa"
+) -> dict:
+    on = _scaling_cell(num_blocks, live, True, steps, tokens, target, shape)
+    off = _scaling_cell(num_blocks, live, False, steps, tokens, target, shape)
     return {
+        "groups": shape,
         "blocks": num_blocks,
         "live_requests": live,
         "tokens": tokens or "share",
@@ -162,9 +177,10 @@ def scaling(quick: bool) -> list[dict]:
             _progress(f"scaling: {num_blocks} blocks, {live} live requests")
             rows.append(_scaling_row(num_blocks, live, steps))
     live, tokens = SAME_REQUESTS
-    for num_blocks in (256, 4096):
-        _progress(f"scaling: {num_blocks} blocks, {live} live requests of {tokens} tokens")
-        rows.append(_scaling_row(num_blocks, live, steps, tokens))
+    for shape in SHAPES:
+        for num_blocks in (256, 4096):
+            _progress(f"scaling: {shape}, {num_blocks} blocks, {live} live requests of {tokens} tokens")
+            rows.append(_scaling_row(num_blocks, live, steps, tokens, shape=shape))
     return rows
 
 
@@ -281,8 +297,9 @@ def _rate(rows, driver) -> float | None:
     return next((r["steps_per_s"] for r in rows if r["driver"] == driver), None)
 
 
-def _cell(rows, blocks, live, tokens="share") -> dict | None:
-    return next((r for r in rows if (r["blocks"], r["live_requests"], r["tokens"]) == (blocks, live, tokens)), None)
+def _cell(rows, blocks, live, tokens="share", shape="fa+swa") -> dict | None:
+    want = (shape, blocks, live, tokens)
+    return next((r for r in rows if (r["groups"], r["blocks"], r["live_requests"], r["tokens"]) == want), None)
 
 
 def targets(quick: bool, result: dict) -> list[dict]:
@@ -315,6 +332,9 @@ def targets(quick: bool, result: dict) -> list[dict]:
     ratio = big_same["check_us_per_step"] / small_same["check_us_per_step"]
     measure = f"check cost 4,096 / 256 blocks, {live} live x {tokens} tokens"
     rows.append(row(measure, round(ratio, 2), "<= 1.2", ratio <= 1.2))
+    big_state, small_state = (_cell(sc, n, live, tokens, "fa+mamba") for n in (4096, 256))
+    ratio = big_state["check_us_per_step"] / small_state["check_us_per_step"]
+    rows.append(row("the same with a state group (fa+mamba)", round(ratio, 2), "<= 1.2", ratio <= 1.2))
     for name, r, steps_target, secs_target in (("walk", walk, None, 0.3), ("state machine", hyp, 8000, 2.0)):
         if not r.get("found"):
             rows.append(row(f"cross-group bug, {name}: median steps / s", "not found", "found", False))
