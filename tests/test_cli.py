@@ -96,9 +96,9 @@ def test_hypothesis_driver_finds_the_motivating_bug(tmp_path):
     assert pytest_file(test_path, "correct").returncode == 0
 
 
-def test_same_seed_gives_the_same_trace_twice(tmp_path):
-    first = found(tmp_path / "a", "walk")[1].read_text()
-    second = found(tmp_path / "b", "walk")[1].read_text()
+def test_same_seed_gives_the_same_trace_twice(walk_find, tmp_path):
+    first = walk_find[1].read_text()
+    second = found(tmp_path, "walk")[1].read_text()
     assert first == second
 
 
