@@ -1,44 +1,36 @@
 """Every bug variant is found from scratch by the state machine, with no hint, within a
-bounded derandomized budget, and its counterexample minimises to a short trace."""
+bounded budget of examples, and its counterexample minimises to a short trace.
 
-import time
+The search is ``kvprop fuzz --driver hypothesis --seed 0`` with one worker and no example
+database: deterministic (Hypothesis runs from fixed seeds), and the path a user runs.
+"""
 
 import pytest
-from hypothesis import settings
-from hypothesis.stateful import run_state_machine_as_test
 
 from kvprop.repro.minimise import minimise
-from kvprop.search import profiles
+from kvprop.search import fuzz
 from kvprop.search.execute import execute
-from kvprop.search.machine import failure_trace, machine_for, trace_length
+from kvprop.search.machine import trace_length
 from kvprop.targets.variants import VARIANTS
 
-BUDGET = 1000  # examples under the ci profile; each variant is found well inside it (see the README)
-# The state machine's find of the motivating bug carries async loads (FinishLoad steps) that the
-# minimiser keeps: 12 steps in the CI run, against 5 for a walk's find.
-MAX_SHRUNK = {"interleaved-external-alloc": 16}
+BUDGET = 1000  # examples; each variant is found well inside it (at most 202 at seed 0, see the README)
+MAX_SHRUNK = {}  # rule steps a find minimises to, where a variant needs more than 12
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_machine_finds_variant_from_scratch(variant, record_property):
-    profiles.register()
-    machine = machine_for(variant)
-    start = time.perf_counter()
-    with pytest.raises(BaseException) as info:  # noqa: B017 - any failure of the machine is the finding
-        run_state_machine_as_test(machine, settings=settings(settings.get_profile("ci"), max_examples=BUDGET))
-    assert not isinstance(info.value, (KeyboardInterrupt, SystemExit))
-    found_after = time.perf_counter() - start
-    best = minimise(failure_trace(machine), variant=variant)
+    result = fuzz.search(
+        fuzz.FuzzOptions(seconds=900, seed=0, driver="hypothesis", variant=variant, fresh=True, max_runs=BUDGET)
+    )
+    assert result.found is not None, f"not found in {result.runs} examples ({result.steps} rule steps)"
+    best = minimise(result.found, variant=variant)
     assert execute(best, variant=variant) is not None, "the minimised trace must still fail"
     assert execute(best, variant=None) is None, "the minimised trace must pass on the correct allocator"
     length = trace_length(best)
-    record_property("examples", machine.counters["examples"])
-    record_property("seconds_to_find", round(found_after, 2))
+    record_property("examples", result.runs)
+    record_property("seconds_to_find", round(result.seconds_to_find, 2))
     record_property("shrunk_steps", length)
-    print(
-        f"{variant}: found after {machine.counters['examples']} examples ({found_after:.1f}s), "
-        f"minimised to {length} steps"
-    )
+    print(f"{variant}: found after {result.runs} examples ({result.seconds_to_find:.1f}s), minimised to {length} steps")
     assert length <= MAX_SHRUNK.get(variant, 12)
 
 

@@ -336,3 +336,19 @@ OPERATIONS = (
     Misuse,
 )
 OPERATION_BY_NAME = {op.__name__: op for op in OPERATIONS}
+
+# ---- swarm weights ----------------------------------------------------------------------
+
+WEIGHT_CHOICES = (0, 1, 2, 4)
+DRIVING_WEIGHTS = (2, 4, 8)  # Step and AddRequest: never off, so every run makes progress
+
+
+def sample_weights(choose) -> tuple[int, ...]:
+    """Swarm testing: how often each operation runs in one walk or one example, one weight per
+    entry of ``OPERATIONS``; a 0 switches the operation off there, so what needs many of one
+    kind (pool pressure, loads in flight) gets runs that do little else. Both drivers draw
+    their weights here."""
+    weights = [choose.pick(getattr(op, "WEIGHTS", WEIGHT_CHOICES)) for op in OPERATIONS]
+    for driving in (Step, AddRequest):
+        weights[OPERATIONS.index(driving)] = choose.pick(DRIVING_WEIGHTS)
+    return tuple(weights)

@@ -14,20 +14,16 @@ import random
 import attrs
 
 from kvprop.errors import ConfigError
-from kvprop.search.alphabet import OPERATIONS, AddRequest, RandomChooser, Step, sample_config
+from kvprop.search.alphabet import OPERATIONS, RandomChooser, sample_config, sample_weights
 from kvprop.search.execute import execute
 from kvprop.search.trace import Failure, Trace
-
-WEIGHT_CHOICES = (0, 1, 2, 4)
 
 
 def plan(seed: int, max_ops: int = 200) -> Trace:
     """The trace a walk with ``seed`` runs: configuration, swarm weights, operations."""
     rng = random.Random(seed)
     config = sample_config(RandomChooser(rng))
-    weights = [rng.choice(getattr(op, "WEIGHTS", WEIGHT_CHOICES)) for op in OPERATIONS]
-    for must in (Step, AddRequest):
-        weights[OPERATIONS.index(must)] = rng.choice((2, 4, 8))
+    weights = sample_weights(RandomChooser(rng))
     steps = []
     for _ in range(rng.randint(max_ops // 4, max_ops)):
         op = rng.choices(OPERATIONS, weights)[0]
