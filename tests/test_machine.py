@@ -1,6 +1,8 @@
 """The state machine on the correct allocator: no violation, every hard state reached,
 and a failure prints as a program a person can run."""
 
+import random
+
 import pytest
 from hypothesis import Phase, settings
 from hypothesis.reporting import with_reporter
@@ -8,6 +10,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from kvprop.errors import Violation
 from kvprop.search import profiles
+from kvprop.search.alphabet import OPERATIONS, AddRequest, RandomChooser, Step, sample_weights
 from kvprop.search.machine import machine_for
 from kvprop.sim.engine import EVENTS
 
@@ -54,3 +57,24 @@ def test_a_failing_case_prints_as_a_runnable_step_program():
     with pytest.raises(Violation) as replayed:
         exec(program, namespace)
     assert replayed.value.kind == info.value.kind
+
+
+def test_steps_draw_only_the_operations_their_example_weights_switch_on():
+    machine = machine_for(None)
+    drawn = []
+
+    class Watching(machine):
+        def run(self, op):
+            drawn.append((self.weights, type(op)))
+            super().run(op)
+
+    run_state_machine_as_test(Watching, settings=_settings(max_examples=30))
+    switched_off = [op.__name__ for weights, op in drawn if weights[OPERATIONS.index(op)] == 0]
+    assert (len(drawn) > 100, switched_off) == (True, [])
+
+
+def test_swarm_weights_never_switch_off_the_operations_that_drive_a_run():
+    rng = random.Random(0)
+    draws = [sample_weights(RandomChooser(rng)) for _ in range(200)]
+    driving = {(w[OPERATIONS.index(Step)], w[OPERATIONS.index(AddRequest)]) for w in draws}
+    assert {s for s, _ in driving} | {a for _, a in driving} == {2, 4, 8}

@@ -322,7 +322,7 @@ class ResetPrefixCache:
 
 PROMPT_PRODUCERS = (AddRequest, AddLargeRequest, PublishPrefix)  # each adds exactly one prompt to the history
 # ``ready(h)``, where an operation has it, says whether it would do anything now: the state
-# machine skips it otherwise (a precondition); the walker applies it anyway (a no-op).
+# machine does not draw it otherwise; the walker applies it anyway (a no-op).
 OPERATIONS = (
     AddRequest,
     AddLargeRequest,

@@ -1,4 +1,4 @@
-"""The Hypothesis state machine: thin rules over the shared operation alphabet.
+"""The Hypothesis state machine: one rule over the shared operation alphabet.
 
 Requests live in the engine and are picked by drawn index, not held in consumed bundles,
 which shrinks far better. Each test case draws, in ``configure``, the allocator's shape and
@@ -7,7 +7,8 @@ then one rule, ``operation``, draws every step's operation by those weights from
 operations that would do something now. Hypothesis would otherwise pick its rules uniformly
 and its bounded integers with a strong lean to the low end: a third of the shapes without
 prefix caching, half with one group or a pool under 8 blocks; with its own rule choice the
-motivating bug took 3.3 times the steps the walker takes (README, time to find).
+motivating bug took 3.3 times the steps the walker takes (README, "The state machine's
+generation").
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ def swarm_weights(draw):
     return ops.sample_weights(HypothesisChooser(draw))
 
 
-# Each operation's arguments as (name, strategy) pairs, built once: drawing them one by one
-# costs a third of what ``st.builds`` does per step.
+# Each operation's arguments as (name, strategy) pairs, built once; drawing them one by one
+# costs less per step than ``st.builds``.
 ARGUMENTS = {
     op_class: tuple((name, st.integers(lo, hi)) for name, (lo, hi) in op_class.ARGS.items())
     for op_class in ops.OPERATIONS
