@@ -5,9 +5,7 @@ python bench/run.py [--quick] [--json] [throughput] [scaling] [time_to_find] [vl
 
 import sys
 
-from kvprop import bench
+from kvprop import cli
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    parts = [a for a in args if not a.startswith("--")] or bench.DEFAULT_PARTS
-    sys.exit(bench.main(quick="--quick" in args, as_json="--json" in args, parts=parts))
+    sys.exit(cli.main(["bench", *sys.argv[1:]]))

@@ -203,13 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-BENCH_PARTS = ("throughput", "scaling", "time_to_find", "vllm", "targets")
-
-
 def _bench_part(text: str) -> str:
-    # not argparse's choices: with nargs="*" it rejects an empty list (no part named)
-    if text not in BENCH_PARTS:
-        raise argparse.ArgumentTypeError(f"invalid part {text!r} (choose from {', '.join(BENCH_PARTS)})")
+    # not argparse's choices: with nargs="*" it rejects an empty list (no part named); the
+    # bench module is imported only when its command is parsed, since it runs it anyway
+    from kvprop.bench import PARTS
+
+    if text not in PARTS:
+        raise argparse.ArgumentTypeError(f"invalid part {text!r} (choose from {', '.join(PARTS)})")
     return text
 
 
