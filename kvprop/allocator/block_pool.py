@@ -20,11 +20,14 @@ CacheKey = tuple  # (block hash, group id)
 
 @attrs.define(slots=True, eq=False)
 class Block:
-    """A physical block. ``key`` is its (hash, group) while it is cached, else None."""
+    """A physical block. ``key`` is its (hash, group) while it is cached, else None;
+    ``key_tokens`` the length of the prefix the key names (a block's own length, or less for
+    a key at a hash-unit boundary inside it)."""
 
     block_id: int
     ref_cnt: int = 0
     key: CacheKey | None = None
+    key_tokens: int | None = None
     prev: Block | None = attrs.field(default=None, repr=False)
     next: Block | None = attrs.field(default=None, repr=False)
     is_null: bool = False
@@ -95,6 +98,10 @@ class BlockPool:
     The cache map holds several blocks under one key: two requests can compute the same
     prefix before either is cached, and both results stay valid hits.
 
+    A block may be cached under several keys (``extra_keys``, vLLM's
+    ``cached_block_hashes_by_block``): a key at a hash-unit boundary inside it, added while it
+    already had one. ``key`` is the first; eviction, promotion and reset drop them all.
+
     ``changed`` collects the ids of blocks whose count, hash or queue links changed; the
     checker takes it to verify only what moved (the pool never reads it). ``events`` queues
     the KV cache events (``kvprop.allocator.events``) when they are enabled, else is None.
@@ -109,6 +116,7 @@ class BlockPool:
         self.changed: set[int] = set()
         self.free_queue = FreeBlockQueue(self.blocks[1:], self.changed)
         self.cached: dict[CacheKey, dict[int, Block]] = {}
+        self.extra_keys: dict[int, set[CacheKey]] = {}
         self.num_evictions = 0
         self.events: list | None = [] if enable_events else None
 
@@ -143,16 +151,45 @@ class BlockPool:
     def _evict(self, block: Block) -> None:
         if block.key is None:
             return
-        entry = self.cached.get(block.key)
-        if entry is not None:
-            entry.pop(block.block_id, None)
-            if not entry:
-                del self.cached[block.key]
-        if self.events is not None:
-            self.events.append(Removed(block.key))
-        block.key = None
+        self._announce_removed(self._remove_keys(block))
         self.num_evictions += 1
+
+    def keys_of(self, block: Block) -> list[CacheKey]:
+        """Every key ``block`` is cached under, its first key first."""
+        extra = self.extra_keys.get(block.block_id)
+        if block.key is None:
+            return []
+        return [block.key, *sorted(extra, key=repr)] if extra else [block.key]
+
+    def _remove_keys(self, block: Block) -> list[CacheKey]:
+        """Drop every key of ``block`` from the map; the keys that were there."""
+        removed = []
+        for key in [block.key, *self.extra_keys.pop(block.block_id, ())] if block.key is not None else ():
+            entry = self.cached.get(key)
+            if entry is not None and entry.pop(block.block_id, None) is not None:
+                removed.append(key)
+                if not entry:
+                    del self.cached[key]
+        block.key = block.key_tokens = None
         self.changed.add(block.block_id)
+        return removed
+
+    def _announce_removed(self, keys) -> None:
+        if self.events is not None:
+            self.events.extend(Removed(key) for key in keys)
+
+    def _insert(self, key: CacheKey, block: Block, num_tokens: int) -> bool:
+        """Cache ``block`` under ``key``; False if it already was."""
+        entry = self.cached.setdefault(key, {})
+        if block.key == key or block.block_id in entry:
+            return False
+        if block.key is None:
+            block.key, block.key_tokens = key, num_tokens
+        else:
+            self.extra_keys.setdefault(block.block_id, set()).add(key)
+        entry[block.block_id] = block
+        self.changed.add(block.block_id)
+        return True
 
     def touch(self, blocks: Iterable[Block]) -> None:
         for block in blocks:
@@ -185,27 +222,61 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)
 
-    def cache_block(self, block: Block, block_hash: int, group_id: int) -> None:
+    def cache_block(self, block: Block, block_hash: int, group_id: int, num_tokens: int | None = None) -> None:
+        """Cache a full block under the key of its ``num_tokens``-token prefix. A block cached
+        only at a boundary inside it is promoted: its shorter keys are dropped first."""
         if guards.ENABLED and block.is_null:
             raise AllocatorError("the null block is never cached")
-        if guards.ENABLED and block.key is not None:
-            raise AllocatorError(
-                f"block {block.block_id} is already cached as {block.key}; caching it again as "
-                f"{(block_hash, group_id)} would give it two identities"
-            )
-        block.key = (block_hash, group_id)
-        self.cached.setdefault(block.key, {})[block.block_id] = block
-        self.changed.add(block.block_id)
+        if block.key is not None:
+            if guards.ENABLED and (block.key_tokens is None or num_tokens is None or block.key_tokens >= num_tokens):
+                raise AllocatorError(
+                    f"block {block.block_id} is already cached as {block.key}; caching it again as "
+                    f"{(block_hash, group_id)} would give it two identities"
+                )
+            self._announce_removed(self._remove_keys(block))
+        key = (block_hash, group_id)
+        self._insert(key, block, num_tokens)
         if self.events is not None:
-            self.events.append(Stored(block.key))
+            self.events.append(Stored(key))
+
+    def cache_partial(self, block: Block, unit_hash: int, group_id: int, num_tokens: int, replace: bool = False):
+        """Key ``block`` at a hash-unit boundary inside it, ``num_tokens`` into the prefix (vLLM's
+        ``BlockPool.cache_partial_block``, 0.30.0 on). A block without a key takes it as its
+        key; one with a shorter key loses that first; one with a key as long or longer keeps
+        it and gains this one. ``replace``: the block's contents were replaced, drop every key.
+        Returns the key, or None for the null block."""
+        if block.is_null:
+            return None
+        key = (unit_hash, group_id)
+        cached = block.key == key or block.block_id in self.cached.get(key, ())
+        if replace:
+            self._announce_removed(self._remove_keys(block))
+            cached = False
+        elif not cached and block.key is not None and block.key_tokens is not None and block.key_tokens < num_tokens:
+            self._announce_removed(self._remove_keys(block))
+        self._insert(key, block, num_tokens)
+        if self.events is not None and not cached:
+            self.events.append(Stored(key))
+        return key
+
+    def move_keys(self, source: Block, dest: Block) -> None:
+        """Re-point every key of ``source`` to ``dest``, announcing nothing: a request keeps
+        writing ``source`` while ``dest`` receives a copy of what the keys promise (vLLM's
+        ``move_block_hashes``)."""
+        if guards.ENABLED and (dest.key is not None or dest.block_id in self.extra_keys):
+            raise AllocatorError(f"move_keys onto block {dest.block_id}, which is cached already")
+        num_tokens = source.key_tokens
+        for key in self._remove_keys(source):
+            self._insert(key, dest, num_tokens)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash; only allowed while no block but the null block is in use."""
         if self.free_queue.num_free != self.num_blocks - 1:
             return False
         for block in self.blocks:
-            block.key = None
+            block.key = block.key_tokens = None
         self.cached.clear()
+        self.extra_keys.clear()
         self.changed.update(range(self.num_blocks))
         if self.events is not None:
             self.events.append(Cleared())

@@ -11,7 +11,7 @@ from kvprop.allocator import guards
 from kvprop.allocator.block_pool import BlockPool
 from kvprop.allocator.managers import SingleTypeManager
 from kvprop.allocator.registry import MANAGER_FOR_SPEC
-from kvprop.allocator.specs import AllocatorConfig, FullAttention
+from kvprop.allocator.specs import AllocatorConfig, FullAttention, cdiv
 
 
 class KVCacheCoordinator:
@@ -27,27 +27,41 @@ class KVCacheCoordinator:
         ]
         # Full attention first, as vLLM orders its lookups: the final hit does not depend on
         # the order (every group's lookup is monotone in the candidate length), the junction does.
+        for manager in self.managers:
+            manager.unit = config.unit
+            manager.alignment = config.unit if config.partial_hits else manager.block_size
         groups = config.groups
         self.lookup_order = sorted(range(len(groups)), key=lambda g: not isinstance(groups[g], FullAttention))
 
-    def find_longest_cache_hit(self, block_hashes: list[int], max_length: int):
+    def find_longest_cache_hit(self, block_hashes: list[int], max_length: int, unit_hashes=None):
         """(hits per group, hit length, junction). The length shrinks group by group until no
-        group shrinks it further; the junction is the first lookup's hit where it is longer than
+        group shrinks it further; a full-attention group is looked up once and then trimmed to
+        the final length (its hits are downward-closed), as vLLM does, so its last block may be
+        one a hit ends inside. The junction is the first lookup's hit where it is longer than
         the final one: a prefix some request shares that a sliding window has not retained yet
-        (vLLM's ``shared_prefix_boundary``, 0.30.0 on), 0 when there is none."""
+        (vLLM's ``shared_prefix_boundary``, 0.30.0 on), 0 when there is none.
+        ``unit_hashes``: the request's per-unit hashes, when hits may end inside a block."""
+        units = block_hashes if unit_hashes is None else unit_hashes
+        found: list = [None] * len(self.managers)
+        lengths = [0] * len(self.managers)
         length, first = max_length, None
         while True:
-            found: list = [None] * len(self.managers)
             candidate = length
             for g in self.lookup_order:
-                hits = self.managers[g].find_longest_cache_hit(block_hashes, candidate)
-                candidate = len(hits) * self.block_size
-                found[g] = hits
+                if found[g] is not None and isinstance(self.config.groups[g], FullAttention):
+                    candidate = min(candidate, lengths[g])
+                    continue
+                found[g], candidate = self.managers[g].find_hit(block_hashes, units, candidate)
+                lengths[g] = candidate
                 if first is None:
                     first = candidate
             if candidate == length:
-                return tuple(found), length, first if first > length else 0
+                break
             length = candidate
+        for g, spec in enumerate(self.config.groups):
+            if isinstance(spec, FullAttention):
+                del found[g][cdiv(length, self.block_size) :]
+        return tuple(found), length, first if first > length else 0
 
     def is_admitted(self, request_id: str) -> bool:
         return any(request_id in m.num_cached_block for m in self.managers)
@@ -64,10 +78,16 @@ class KVCacheCoordinator:
             return num_tokens
         return num_tokens_main_model
 
-    def count_blocks_to_allocate(self, request_id, num_tokens, hits, total_computed_tokens, num_tokens_main_model=None):
+    def count_blocks_to_allocate(
+        self, request_id, num_tokens, hits, total_computed_tokens, num_tokens_main_model=None, num_local=0
+    ):
         return sum(
             m.count_blocks_to_allocate(
-                request_id, self._tokens(m, num_tokens, num_tokens_main_model), hits[g], total_computed_tokens
+                request_id,
+                self._tokens(m, num_tokens, num_tokens_main_model),
+                hits[g],
+                total_computed_tokens,
+                num_local,
             )
             for g, m in enumerate(self.managers)
         )
@@ -79,7 +99,7 @@ class KVCacheCoordinator:
             return
         total = num_local + num_external
         for g, manager in enumerate(self.managers):
-            manager.add_local_computed_blocks(request_id, hits[g], total)
+            manager.add_local_computed_blocks(request_id, hits[g], total, num_local)
         if num_external > 0:
             for manager in self.managers:
                 manager.allocate_external_computed_blocks(request_id, num_local, num_external)
@@ -93,6 +113,9 @@ class KVCacheCoordinator:
     def new_step_starts(self) -> None:
         for manager in self.managers:
             manager.new_step_starts()
+
+    def take_pending_copies(self) -> list:
+        return [pair for manager in self.managers for pair in manager.take_pending_copies()]
 
     def cache_blocks(self, request, num_tokens: int) -> None:
         for manager in self.managers:
@@ -109,9 +132,9 @@ class KVCacheCoordinator:
 class UnitaryCoordinator(KVCacheCoordinator):
     """A single group: its own hit is final, no fixed point to find."""
 
-    def find_longest_cache_hit(self, block_hashes, max_length):
-        hits = self.managers[0].find_longest_cache_hit(block_hashes, max_length)
-        return (hits,), len(hits) * self.block_size, 0
+    def find_longest_cache_hit(self, block_hashes, max_length, unit_hashes=None):
+        hits, length = self.managers[0].find_hit(block_hashes, block_hashes, max_length)
+        return (hits,), length, 0
 
 
 class HybridCoordinator(KVCacheCoordinator):

@@ -15,10 +15,13 @@ the state after each draft; a column the next running state passes moves to the 
 table instead of being released (vLLM's ``_relocate_speculative_block``), because the state
 the next step continues from may be in it.
 
-Not modelled (docs/design.md §8.1): prefill checkpoint columns,
-hits inside a block (a hash unit smaller than a block) and their copy-on-write, and the
-connector. In "none" mode (no prefix caching) nothing is cached and the table keeps only
-the running state, like a one-token window.
+With a hash unit below the block size (docs/design.md §2 "Hits inside a block") a hit may
+end at any hash-unit boundary: the prompt's last boundary below its last token is keyed on
+the running block that holds it, a request hitting there gets a copy of that block, and the
+request that keyed it, still writing the block, moves the key onto a copy of it instead.
+
+Not modelled (docs/design.md §8.1): prefill checkpoint columns. In "none" mode (no prefix
+caching) nothing is cached and the table keeps only the running state, like a one-token window.
 """
 
 from __future__ import annotations
@@ -54,6 +57,17 @@ class MambaManager(SingleTypeManager):
                 return [self.null_block] * i + [block]
         return []
 
+    def find_hit(self, block_hashes: list[int], unit_hashes: list[int], max_length: int):
+        """When hits may end inside a block: the rightmost cached state at any hash-unit boundary."""
+        if not self.fine_grained:
+            return super().find_hit(block_hashes, unit_hashes, max_length)
+        u = self.alignment
+        for index in range(min(max_length // u, len(unit_hashes)) - 1, -1, -1):
+            block = self.pool.get_cached_block(unit_hashes[index], self.group_id)
+            if block is not None:
+                return [self.null_block] * (index * u // self.block_size) + [block], (index + 1) * u
+        return [], 0
+
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         if not self.align:
             return super().remove_skipped_blocks(request_id, num_computed_tokens)
@@ -76,18 +90,20 @@ class MambaManager(SingleTypeManager):
                 self.pool.free_blocks([blocks[previous]])
                 blocks[previous] = self.null_block
 
-    def count_blocks_to_allocate(self, request_id, num_tokens, hits, total_computed_tokens) -> int:
+    def count_blocks_to_allocate(self, request_id, num_tokens, hits, total_computed_tokens, num_local=0) -> int:
         if not self.align:
-            return super().count_blocks_to_allocate(request_id, num_tokens, hits, total_computed_tokens)
+            return super().count_blocks_to_allocate(request_id, num_tokens, hits, total_computed_tokens, num_local)
         if hits and hits[-1].key in self.cached_this_step:
             # its state exists only once this step's forward pass has run: not this step
             return self.pool.num_blocks + 1
         table = self.req_to_blocks.get(request_id, ())
         new = self._required(num_tokens) - len(hits) - len(table)
         evictable = sum(1 for b in hits if b.ref_cnt == 0 and not b.is_null)
-        # the next running state, plus the scratch columns on a first allocation
-        cap = 1 + (0 if request_id in self.allocated else self.num_speculative)
-        return min(max(new, 0), cap) + evictable
+        # a copy of a shared state block: the hit's, or the one this request keyed inside a block
+        copy = int(self._partial_local_hit(hits, num_local) or request_id in self.partial_hit)
+        # the next running state, the copy, and the scratch columns on a first allocation
+        cap = 1 + copy + (0 if request_id in self.allocated else self.num_speculative)
+        return min(max(new, 0) + copy, cap) + evictable
 
     def _required(self, num_tokens: int) -> int:
         """Entries a table needs: through the running state after ``num_tokens``, then one scratch
@@ -101,7 +117,8 @@ class MambaManager(SingleTypeManager):
         required, k = self._required(num_tokens), self.num_speculative
         allocated = request_id in self.allocated
         self.allocated.add(request_id)
-        if required <= len(table):
+        partial = self.partial_hit.pop(request_id, None)
+        if required <= len(table) and partial is None:
             return []
         before = len(table)
         if before:  # the running state (on a first allocation, the hit) becomes the previous one
@@ -113,9 +130,31 @@ class MambaManager(SingleTypeManager):
             # one of them may hold the state the step continues from
             for index in range(before - k, min(before, running)):
                 self._relocate(table, index)
-        new = self.pool.get_new_blocks(max(required - len(table), 0))
+        new = self.pool.get_new_blocks(max(required - len(table), 0) + (partial is not None))
+        copies = []
+        if partial is not None:
+            copies, new = self._copy_partial(table, *partial, new[0], allocated), new[1:]
         table.extend(new)
-        return new
+        return copies + new
+
+    def _copy_partial(self, table, index: int, source: Block, copy: Block, allocated: bool) -> list[Block]:
+        """A state block shared at a boundary inside it gets a copy. A new request puts the copy
+        in its table (``_copy_on_write``). The request that keyed the block keeps writing it
+        (the worker's table only grows), so the keys move to the copy, which the worker fills
+        before the step's forward pass, and ``source`` is held until then (vLLM's
+        ``MambaManager.allocate_new_blocks``)."""
+        if not allocated:
+            self._copy_on_write(table, index, source, copy)
+            return [copy]
+        if guards.ENABLED and table[index] is not source:
+            raise AssertionError(f"partial state block {source.block_id} left index {index} before its copy")
+        self.pool.move_keys(source, copy)
+        self.pending_copies.append((source, copy))
+        source.ref_cnt += 1
+        self.pool.changed.add(source.block_id)
+        if copy.key is not None:
+            self.cached_this_step.add(copy.key)
+        return [copy]
 
     def _relocate(self, table: list[Block], index: int) -> None:
         block = table[index]
@@ -130,10 +169,35 @@ class MambaManager(SingleTypeManager):
     def cache_blocks(self, request, num_tokens: int) -> None:
         before = self.num_cached_block.get(request.request_id, 0)
         super().cache_blocks(request, num_tokens)
+        after = self.num_cached_block.get(request.request_id, 0)
+        if self.align and self.unit < self.block_size:
+            key = self._cache_partial_tail(request, num_tokens)
+            if key is not None:
+                self.cached_this_step.add(key)
         table = self.req_to_blocks.get(request.request_id, ())
-        for block in table[before : self.num_cached_block.get(request.request_id, 0)]:
+        for block in table[before:after]:
             if block.key is not None and not block.is_null:
                 self.cached_this_step.add(block.key)
+
+    def _cache_partial_tail(self, request, num_tokens: int):
+        """Key the running state at the prompt's last hash boundary below its last token, when
+        the cached length reaches exactly that boundary (the scheduler ends a chunk there). If
+        the boundary is inside the block, the block stays uncounted as cached, and the next
+        allocation copies it (``_copy_partial``). vLLM's ``MambaManager._cache_partial_tail_block``
+        without checkpoint columns."""
+        u, bs = self.unit, self.block_size
+        if num_tokens <= 0 or num_tokens % u or num_tokens != (request.num_prompt_tokens - 1) // u * u:
+            return None
+        table = self.req_to_blocks[request.request_id]
+        index = cdiv(num_tokens, bs) - 1
+        if index >= len(table) or table[index].is_null or table[index].key_tokens == num_tokens:
+            return None
+        source = table[index]
+        key = self.pool.cache_partial(source, request.unit_hashes[num_tokens // u - 1], self.group_id, num_tokens)
+        if key is not None and num_tokens % bs:
+            self.partial_hit[request.request_id] = (index, source)
+            self.num_cached_block[request.request_id] = index
+        return key
 
     def free(self, request_id: str) -> None:
         for state in (self.last_state_index, self.num_retired):

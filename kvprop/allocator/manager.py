@@ -57,7 +57,8 @@ class KVCacheManager:
         and the shared-prefix junction (``KVCacheCoordinator.find_longest_cache_hit``)."""
         if not self.enable_caching:
             return self.empty_hits(), 0, 0
-        return self.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
+        limit = request.num_tokens - 1
+        return self.coordinator.find_longest_cache_hit(request.block_hashes, limit, request.unit_hashes)
 
     def allocate_slots(
         self,
@@ -91,7 +92,7 @@ class KVCacheManager:
 
         self.coordinator.remove_skipped_blocks(request_id, total_computed)
         needed = self.coordinator.count_blocks_to_allocate(
-            request_id, num_tokens_need_slot, hits, total_computed, num_tokens_main_model
+            request_id, num_tokens_need_slot, hits, total_computed, num_tokens_main_model, num_local
         )
         if needed > self.pool.num_free_blocks:
             return None
@@ -124,10 +125,12 @@ class KVCacheManager:
                 f"{total} ({request.num_computed_tokens} computed + {num_hit} hit + {num_external} external + "
                 f"{num_new_tokens} new)"
             )
+        scale = self.block_size // self.config.unit
         for g, group_hits in enumerate(hits or ()):
             for i, block in enumerate(group_hits):
-                own = (request.block_hashes[i], g) if i < len(request.block_hashes) else None
-                if not block.is_null and block.key != own:
+                # the keys of the prefixes ending inside block i (its own, or a hash unit's in it)
+                own = {(h, g) for h in request.unit_hashes[i * scale : (i + 1) * scale]}
+                if not block.is_null and not own.intersection(self.pool.keys_of(block)):
                     raise RequestError(
                         f"allocate_slots: hit block {block.block_id} (group {g}, index {i}) is not "
                         f"{request.request_id!r}'s own cached block (cached as {block.key}); stale or foreign hits"
@@ -153,6 +156,15 @@ class KVCacheManager:
     def new_step_starts(self) -> None:
         """The scheduler starts a step: state cached in the last one is now computed (vLLM 0.33.0)."""
         self.coordinator.new_step_starts()
+
+    def take_kv_cache_block_copies(self) -> list[tuple[int, int]]:
+        """The block copies queued since the last call, each (source id, copy id), for the worker
+        to run before the step's forward pass; the references that held both ends for it are
+        released now (vLLM's ``take_kv_cache_block_copies`` and the scheduler's release of the
+        retained blocks: nothing can be handed out again before the worker has copied)."""
+        pairs = self.coordinator.take_pending_copies()
+        self.pool.free_blocks([block for pair in pairs for block in pair])
+        return [(source.block_id, copy.block_id) for source, copy in pairs]
 
     def take_events(self) -> list:
         """The KV cache events since the last call (``kvprop.allocator.events``); [] when off."""

@@ -33,9 +33,31 @@ class SingleTypeManager:
         self.null_block = pool.null_block
         self.req_to_blocks: dict[str, list[Block]] = {}
         self.num_cached_block: dict[str, int] = {}
+        # Hits inside a block (docs/design.md §2 "Hits inside a block"): the tokens a hit may
+        # end on (the coordinator sets the hash unit when hits may end inside a block), the
+        # hash unit, each admission's shared tail block awaiting its copy, and the copies
+        # queued for the worker, each (source, copy).
+        self.alignment = spec.block_size
+        self.unit = spec.block_size
+        self.partial_hit: dict[str, tuple[int, Block]] = {}
+        self.pending_copies: list[tuple[Block, Block]] = []
 
     def find_longest_cache_hit(self, block_hashes: list[int], max_length: int) -> list[Block]:
         raise NotImplementedError
+
+    def find_hit(self, block_hashes: list[int], unit_hashes: list[int], max_length: int):
+        """(hit blocks, hit length in tokens); only a fine-grained lookup ends inside a block."""
+        hits = self.find_longest_cache_hit(block_hashes, max_length)
+        return hits, len(hits) * self.block_size
+
+    @property
+    def fine_grained(self) -> bool:
+        return self.alignment < self.block_size
+
+    def _partial_local_hit(self, hits, num_local: int) -> bool:
+        """The hit ends inside its last block, which other requests share: the request gets a
+        copy of it before writing there (vLLM's ``_has_partial_local_hit``)."""
+        return bool(hits) and num_local % self.block_size != 0
 
     def skipped_tokens(self, num_computed_tokens: int) -> int:
         return self.spec.skipped_tokens(num_computed_tokens)
@@ -55,9 +77,10 @@ class SingleTypeManager:
         self.pool.free_blocks(freed)
 
     def count_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, hits: list[Block], total_computed_tokens: int
+        self, request_id: str, num_tokens: int, hits: list[Block], total_computed_tokens: int, num_local: int = 0
     ) -> int:
-        """Free-queue blocks this allocation consumes: new pops plus hits still in the queue."""
+        """Free-queue blocks this allocation consumes: new pops plus hits still in the queue,
+        plus the copy of a shared tail block when the hit ends inside it."""
         required = cdiv(num_tokens, self.block_size)
         table = self.req_to_blocks.get(request_id)
         if request_id in self.num_cached_block:
@@ -65,10 +88,15 @@ class SingleTypeManager:
         num_skipped = self.skipped_tokens(total_computed_tokens) // self.block_size
         kept = hits[num_skipped:]
         evictable = sum(1 for b in kept if b.ref_cnt == 0 and not b.is_null)
-        return max(0, required - max(num_skipped, len(hits))) + evictable
+        copy = int(self._partial_local_hit(hits, num_local))
+        return max(0, required - max(num_skipped, len(hits))) + copy + evictable
 
-    def add_local_computed_blocks(self, request_id: str, hits: list[Block], total_computed_tokens: int) -> None:
-        """Phase 1 of admission: touch this group's hits and register the request."""
+    def add_local_computed_blocks(
+        self, request_id: str, hits: list[Block], total_computed_tokens: int, num_local: int = 0
+    ) -> None:
+        """Phase 1 of admission: touch this group's hits and register the request. A hit that
+        ends inside its last block leaves that block uncounted as cached: the request's copy
+        replaces it at allocation and is cached once full."""
         if guards.ENABLED and self.req_to_blocks.get(request_id):
             raise AssertionError(f"request {request_id} already has blocks in group {self.group_id}")
         num_skipped = self.skipped_tokens(total_computed_tokens) // self.block_size
@@ -78,6 +106,10 @@ class SingleTypeManager:
         table = [self.null_block] * num_skipped + list(kept)
         self.req_to_blocks[request_id] = table
         self.num_cached_block[request_id] = len(table)
+        if self._partial_local_hit(kept, num_local):
+            index = num_local // self.block_size
+            self.partial_hit[request_id] = (index, kept[-1])
+            self.num_cached_block[request_id] = index
 
     def allocate_external_computed_blocks(self, request_id: str, num_local: int, num_external: int) -> None:
         """Phase 2 of admission: fresh blocks for tokens an external tier will load."""
@@ -91,12 +123,33 @@ class SingleTypeManager:
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[Block]:
         table = self.req_to_blocks.setdefault(request_id, [])
+        copies = []
+        if request_id in self.partial_hit:
+            index, source = self.partial_hit.pop(request_id)
+            copy = self.pool.get_new_blocks(1)[0]
+            self._copy_on_write(table, index, source, copy)
+            copies.append(copy)
         n = cdiv(num_tokens, self.block_size) - len(table)
         if n <= 0:
-            return []
+            return copies
         new = self.pool.get_new_blocks(n)
         table.extend(new)
-        return new
+        return copies + new
+
+    def _copy_on_write(self, table: list[Block], index: int, source: Block, copy: Block) -> None:
+        """Put ``copy`` in the table where the shared ``source`` was and queue the copy. Both
+        stay held until the worker has copied: ``source`` keeps the hit's reference and
+        ``copy`` takes one more than the table's (vLLM's ``_apply_cow``)."""
+        if guards.ENABLED and (table[index] is not source or source.is_null or source.ref_cnt <= 0):
+            raise AssertionError(f"copy-on-write of block {source.block_id} at index {index}, which is not the hit")
+        table[index] = copy
+        self.pending_copies.append((source, copy))
+        copy.ref_cnt += 1
+        self.pool.changed.add(copy.block_id)
+
+    def take_pending_copies(self) -> list[tuple[Block, Block]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def kept_mask(self, request, start: int, end: int) -> list[bool] | None:
         """Which of blocks ``start..end-1`` get a hash; None: all of them (retention thins
@@ -116,15 +169,17 @@ class SingleTypeManager:
         table = self.req_to_blocks[request.request_id]
         hashes = request.block_hashes
         mask = self.kept_mask(request, num_cached, num_full)
+        bs = self.block_size
         for i in range(num_cached, num_full):
             block = table[i]
             if block is not self.null_block and (mask is None or mask[i - num_cached]):
-                self.pool.cache_block(block, hashes[i], self.group_id)
+                self.pool.cache_block(block, hashes[i], self.group_id, (i + 1) * bs)
         self.num_cached_block[request.request_id] = num_full
 
     def free(self, request_id: str) -> None:
         table = self.req_to_blocks.pop(request_id, [])
         self.num_cached_block.pop(request_id, None)
+        self.partial_hit.pop(request_id, None)
         self.pool.free_blocks(reversed(table))
 
 
@@ -137,6 +192,39 @@ class FullAttentionManager(SingleTypeManager):
                 break
             hits.append(block)
         return hits
+
+    def find_hit(self, block_hashes: list[int], unit_hashes: list[int], max_length: int):
+        """Full blocks from the start, then, when hits may end inside a block, the longest
+        cached boundary inside the next one, probed from its end."""
+        hits = self.find_longest_cache_hit(block_hashes, max_length)
+        length = len(hits) * self.block_size
+        if not self.fine_grained:
+            return hits, length
+        u = self.alignment
+        first = len(hits) * (self.block_size // u)
+        for index in range(min(first + self.block_size // u - 1, max_length // u, len(unit_hashes)) - 1, first - 1, -1):
+            block = self.pool.get_cached_block(unit_hashes[index], self.group_id)
+            if block is not None:
+                return [*hits, block], (index + 1) * u
+        return hits, length
+
+    def cache_blocks(self, request, num_tokens: int) -> None:
+        super().cache_blocks(request, num_tokens)
+        if self.unit < self.block_size:
+            self._cache_partial_tail(request, num_tokens)
+
+    def _cache_partial_tail(self, request, num_tokens: int) -> None:
+        """Key the block holding the prompt's last hash boundary below its last token, once
+        computed, at that boundary, so a request sharing the prompt may hit inside the block
+        (vLLM's ``FullAttentionManager._cache_partial_tail_block``; only that boundary)."""
+        u = self.unit
+        boundary = min((request.num_prompt_tokens - 1) // u, len(request.unit_hashes)) * u
+        if boundary == 0 or boundary > num_tokens or boundary % self.block_size == 0:
+            return
+        table = self.req_to_blocks[request.request_id]
+        index = boundary // self.block_size
+        if index < len(table):
+            self.pool.cache_partial(table[index], request.unit_hashes[boundary // u - 1], self.group_id, boundary)
 
 
 class SlidingWindowManager(SingleTypeManager):

@@ -166,6 +166,33 @@ def _check_retention(instance, attribute, value):
         )
 
 
+def _check_hash_unit(instance, attribute, value):
+    """vLLM's ``prefix_match_unit`` (``resolve_kv_cache_block_sizes``, 0.30.0 on): the token
+    granularity of block hashes. Below the block size it enables hits that end inside a block,
+    which vLLM allows only with a Mamba "align" group and, besides it, groups whose lookup can
+    stop inside a block (full attention; ``partial_hash_hits_enabled``), and only with
+    several groups (one group rejects any other unit)."""
+    if value is None:
+        return
+    name = "AllocatorConfig.hash_unit"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be None or an integer, got {value!r}")
+    bs = instance.groups[0].block_size
+    if value < 1 or bs % value:
+        raise ConfigError(f"{name} must be None or a divisor of block_size={bs}, got {value}")
+    if value == bs:
+        return
+    kinds = [type(spec).__name__ for spec in instance.groups]
+    if not instance.enable_caching or len(kinds) < 2 or "Mamba" not in kinds or any(
+        kind not in ("FullAttention", "Mamba") for kind in kinds
+    ):
+        raise ConfigError(
+            f"{name} below block_size={bs} needs prefix caching and at least two groups, a Mamba group "
+            f"among them and every other one FullAttention (vLLM's partial_hash_hits_enabled), got "
+            f"{value} with groups {kinds} and enable_caching={instance.enable_caching}"
+        )
+
+
 @attrs.frozen
 class AllocatorConfig:
     """The allocator's shape: groups sharing one pool of ``num_blocks`` (block 0 is the null block).
@@ -174,13 +201,15 @@ class AllocatorConfig:
     prefix_cache_retention_interval``, production default 0 since 0.30.0): which sliding-window
     and state blocks are worth a hash (``kvprop.allocator.retention``). None caches every block.
     ``enable_kv_cache_events`` queues the events a router outside the engine replays
-    (``kvprop.allocator.events``)."""
+    (``kvprop.allocator.events``). ``hash_unit`` is vLLM's ``prefix_match_unit``: below the
+    block size, hits may end inside a block (docs/design.md §2 "Hits inside a block")."""
 
     groups: tuple = attrs.field(converter=lambda g: tuple(g) if isinstance(g, list) else g, validator=_check_groups)
     num_blocks: int = attrs.field(validator=_int_at_least(2))
     enable_caching: bool = attrs.field(default=True, validator=_check_bool)
     retention_interval: int | None = attrs.field(default=None, validator=_check_retention, kw_only=True)
     enable_kv_cache_events: bool = attrs.field(default=False, validator=_check_bool, kw_only=True)
+    hash_unit: int | None = attrs.field(default=None, validator=_check_hash_unit, kw_only=True)
 
     def __attrs_post_init__(self):
         mode = "align" if self.enable_caching else "none"
@@ -201,6 +230,16 @@ class AllocatorConfig:
     @property
     def block_size(self) -> int:
         return self.groups[0].block_size
+
+    @property
+    def unit(self) -> int:
+        """Tokens per block hash: ``hash_unit``, or the block size when it is None."""
+        return self.hash_unit or self.groups[0].block_size
+
+    @property
+    def partial_hits(self) -> bool:
+        """Whether a hit may end inside a block (a hash unit below the block size)."""
+        return self.unit < self.groups[0].block_size
 
     @property
     def usable_blocks(self) -> int:

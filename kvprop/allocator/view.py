@@ -33,6 +33,10 @@ class AllocatorView:
     def cache_keys(self) -> list:
         return [b.key for b in self.pool.blocks]
 
+    def extra_keys(self) -> dict:
+        """Block id -> its further keys beyond ``cache_key``, for blocks that have any."""
+        return {b: sorted(keys, key=repr) for b, keys in self.pool.extra_keys.items() if keys}
+
     @property
     def num_free_blocks(self) -> int:
         return self.pool.free_queue.num_free

@@ -47,6 +47,7 @@ def snapshot(harness: Harness) -> dict:
     return {
         "tables": {rid: engine.boundary.get_block_ids(rid) for rid in engine.requests},
         "cache keys": engine.view.cache_keys(),
+        "further keys": engine.view.extra_keys(),
         "free blocks": engine.view.num_free_blocks,
         "events": engine.take_kv_events(),
     }

@@ -45,6 +45,9 @@ class Boundary:
     def new_step_starts(self) -> None:
         self._cross("new_step_starts")
 
+    def take_kv_cache_block_copies(self) -> list:
+        return self._cross("take_kv_cache_block_copies")
+
     def take_events(self) -> list:
         return self._cross("take_events")
 

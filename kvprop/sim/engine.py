@@ -94,6 +94,7 @@ class StepReport:
     admitted: list = attrs.field(factory=list)
     preempted: list = attrs.field(factory=list)
     finished: list = attrs.field(factory=list)
+    copies: list = attrs.field(factory=list)  # (source block, copy) pairs the worker copies first
 
 
 class Engine:
@@ -106,6 +107,7 @@ class Engine:
         self.state_groups = frozenset(g for g, spec in enumerate(self.specs) if isinstance(spec, Mamba))
         self.state_aligned = any(self.specs[g].mode == "align" for g in self.state_groups)
         self.tells_steps = hasattr(allocator, "new_step_starts")  # an optional facade call (docs/targets.md)
+        self.copies_blocks = hasattr(allocator, "take_kv_cache_block_copies")  # optional too
         self.block_size = config.allocator.block_size
         self.memory = PagedMemory(config.allocator.num_blocks, self.block_size, device)
         self.hooks = hooks or Hooks()
@@ -157,7 +159,9 @@ class Engine:
             )
         rid = f"r{self.next_id}"
         self.next_id += 1
-        request = Request(rid, prompt, max_new_tokens, self.block_size, self.config.vocab, self.registry)
+        request = Request(
+            rid, prompt, max_new_tokens, self.block_size, self.config.vocab, self.registry, self.config.allocator.unit
+        )
         self.requests[rid] = request
         self.waiting.append(request)
         return request
@@ -379,6 +383,8 @@ class Engine:
                 i += 1
         if not report.preempted:
             budget = self._admit(report, budget)
+        if self.copies_blocks:
+            report.copies = self.boundary.take_kv_cache_block_copies()
         self._execute(report)
         if getattr(self.view, "num_evictions", 0) > evictions:
             self.events[EV_EVICT] += 1
@@ -498,8 +504,9 @@ class Engine:
         ``Scheduler._mamba_block_aligned_split``, without drafts or checkpoint columns): a
         non-final chunk ends on a block boundary (unless that leaves nothing and a block is wider
         than the step's budget), and no chunk runs past the next block boundary when it starts
-        inside a block, past the last block boundary before the request's last token, or past
-        the junction. 0 means the request is not scheduled in this step."""
+        inside a block, past the last block boundary before the request's last token, past the
+        prompt's last hash boundary when hits may end inside a block (where the state is keyed),
+        or past the junction. 0 means the request is not scheduled in this step."""
         if not self.state_aligned:
             return num_tokens
         prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
@@ -511,13 +518,22 @@ class Engine:
             if aligned > start or bs <= self.config.token_budget:
                 end = aligned
         junction = request.shared_prefix_boundary
+        last_cached = max(0, (request.num_tokens - 1) // bs * bs)
+        tail = self._prompt_tail(request)
         stops = (
             (start // bs + 1) * bs if start % bs else 0,
-            max(0, (request.num_tokens - 1) // bs * bs),
+            last_cached,
+            tail if last_cached < tail < request.num_prompt_tokens else 0,
             start + (junction - start) // bs * bs if start < junction < end else 0,
         )
         end = min((s for s in stops if start < s < end), default=end)
         return max(end - start, 0)
+
+    def _prompt_tail(self, request) -> int:
+        """The prompt's last hash-unit boundary below its last token when hits may end inside a
+        block, else 0."""
+        allocator = self.config.allocator
+        return (request.num_prompt_tokens - 1) // allocator.unit * allocator.unit if allocator.partial_hits else 0
 
     def _note_admission_events(self, request, hits, num_hit, ext, n) -> None:
         if num_hit and request.num_preemptions:
@@ -529,7 +545,11 @@ class Engine:
                 self.events[EV_CROSS_GROUP] += 1
 
     def _execute(self, report: StepReport) -> None:
-        """The model's forward pass: the writes, then each request's progress."""
+        """The model's forward pass: the block copies the allocator queued (a hit that ends inside
+        a shared block gets a copy of it; vLLM's worker copies before the pass), the writes, then
+        each request's progress."""
+        for source, dest in report.copies:
+            self.memory.copy_block(source, dest)
         self._write_scheduled(report)
         self._advance(report)
 

@@ -65,6 +65,12 @@ class PagedMemory:
             ]
             self.recent.append(([dest], [value]))
 
+    def copy_block(self, source: int, dest: int) -> None:
+        """Copy block ``source``'s slots over block ``dest``'s (a worker's block copy)."""
+        bs = self.block_size
+        slots = list(range(dest * bs, (dest + 1) * bs))
+        self.write(slots, self.read(list(range(source * bs, (source + 1) * bs))))
+
     def read(self, slots: list[int]) -> list[int]:
         if not slots:
             return []

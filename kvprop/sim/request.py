@@ -21,7 +21,9 @@ class Request:
     """A prompt plus the tokens decoded so far.
 
     ``block_hashes`` covers every full block of ``tokens`` and ``prefix`` holds the rolling
-    hash of every prefix, so the expected fingerprint of any position is O(1). Decoded
+    hash of every prefix, so the expected fingerprint of any position is O(1). Hashes chain
+    per ``unit`` tokens (vLLM's ``hash_block_size``): ``unit_hashes`` has one per unit, and a
+    block's hash is the one at its end (the same list when the unit is the block). Decoded
     tokens depend only on the prefix, so requests that share a prefix keep sharing it.
     """
 
@@ -33,6 +35,8 @@ class Request:
         "block_size",
         "vocab",
         "block_hashes",
+        "unit",
+        "unit_hashes",
         "prefix",
         "num_computed_tokens",
         "status",
@@ -45,7 +49,7 @@ class Request:
         "spec_prefix",
     )
 
-    def __init__(self, request_id, prompt, max_new_tokens, block_size, vocab, registry=None):
+    def __init__(self, request_id, prompt, max_new_tokens, block_size, vocab, registry=None, unit=None):
         self.request_id = request_id
         self.tokens: list[int] = []
         self.num_prompt_tokens = len(prompt)
@@ -53,6 +57,8 @@ class Request:
         self.block_size = block_size
         self.vocab = vocab
         self.block_hashes: list[int] = []
+        self.unit = unit or block_size
+        self.unit_hashes: list[int] = self.block_hashes if self.unit == block_size else []
         self.prefix: list[int] = []
         self.num_computed_tokens = 0
         self.status = Status.WAITING
@@ -85,31 +91,37 @@ class Request:
 
     def extend_tokens(self, tokens) -> None:
         """``append_token`` for many tokens at once (prompts), with the lookups hoisted."""
-        prefix, out, bs = self.prefix, self.tokens, self.block_size
+        prefix, out, unit = self.prefix, self.tokens, self.unit
         previous = prefix[-1] if prefix else ROOT_HASH
         for token in tokens:
             previous = prefix_hash(previous, token)
             prefix.append(previous)
             out.append(token)
             n = len(out)
-            if n % bs == 0:
-                self._close_block(n)
+            if n % unit == 0:
+                self._close_unit(n)
 
-    def _close_block(self, n: int) -> None:
-        bs = self.block_size
-        parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
-        block_hash = hash_block(parent, self.tokens[n - bs :])
-        self.block_hashes.append(block_hash)
+    def _close_unit(self, n: int) -> None:
+        """Hash the unit ending at ``n`` tokens; at a block's end it is the block's hash too.
+        The registry maps each hash to its block's index and the prefixes from the block's
+        start to ``n``: what a block cached under it holds (``kvprop.check``)."""
+        bs, units = self.block_size, self.unit_hashes
+        parent = units[-1] if units else ROOT_HASH
+        unit_hash = hash_block(parent, self.tokens[n - self.unit :])
+        units.append(unit_hash)
+        if units is not self.block_hashes and n % bs == 0:
+            self.block_hashes.append(unit_hash)
         if self.registry is not None:
-            self.registry.setdefault(block_hash, (n // bs - 1, tuple(self.prefix[n - bs :])))
+            start = (n - 1) // bs * bs
+            self.registry.setdefault(unit_hash, (start // bs, tuple(self.prefix[start:n])))
 
     def append_token(self, token: int) -> None:
         previous = self.prefix[-1] if self.prefix else ROOT_HASH
         self.tokens.append(token)
         self.prefix.append(prefix_hash(previous, token))
         n = len(self.tokens)
-        if n % self.block_size == 0:
-            self._close_block(n)
+        if n % self.unit == 0:
+            self._close_unit(n)
 
     def next_token(self) -> int:
         """The token decoding produces next: a function of the prefix alone."""

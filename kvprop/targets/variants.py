@@ -33,7 +33,7 @@ class InterleavedExternalAlloc:
         if self.is_admitted(request_id):
             return
         for g, manager in enumerate(self.managers):
-            manager.add_local_computed_blocks(request_id, hits[g], num_local + num_external)
+            manager.add_local_computed_blocks(request_id, hits[g], num_local + num_external, num_local)
             if num_external > 0:
                 manager.allocate_external_computed_blocks(request_id, num_local, num_external)
 
@@ -107,8 +107,8 @@ class SwaSkipOffByOne(SlidingWindowManager):
 
 
 class HitsRecachedMixin(SingleTypeManager):
-    def add_local_computed_blocks(self, request_id, hits, total_computed_tokens):
-        super().add_local_computed_blocks(request_id, hits, total_computed_tokens)
+    def add_local_computed_blocks(self, request_id, hits, total_computed_tokens, num_local=0):
+        super().add_local_computed_blocks(request_id, hits, total_computed_tokens, num_local)
         self.num_cached_block[request_id] = 0
 
 
@@ -147,8 +147,8 @@ def _mixed_managers(mixin: type) -> dict:
 class CapacityOvercount(SingleTypeManager):
     """Counts one block more than an admission needs, so an allocation that exactly fits is refused."""
 
-    def count_blocks_to_allocate(self, request_id, num_tokens, hits, total_computed_tokens):
-        needed = super().count_blocks_to_allocate(request_id, num_tokens, hits, total_computed_tokens)
+    def count_blocks_to_allocate(self, request_id, num_tokens, hits, total_computed_tokens, num_local=0):
+        needed = super().count_blocks_to_allocate(request_id, num_tokens, hits, total_computed_tokens, num_local)
         return needed if request_id in self.num_cached_block else needed + 1
 
 

@@ -270,7 +270,7 @@ class VllmAllocator:
             # no request can need more slots than the pool has
             max_model_len=config.num_blocks * self.block_size,
             scheduler_block_size=self.block_size,
-            hash_block_size=self.block_size,
+            hash_block_size=config.unit,
             enable_caching=config.enable_caching,
             enable_kv_cache_events=config.enable_kv_cache_events,
         )
@@ -290,6 +290,11 @@ class VllmAllocator:
             for name in ("scheduler_block_size", "hash_block_size"):
                 if name not in params:
                     del wanted[name]
+        if config.partial_hits and not hasattr(v.kvu, "partial_hash_hits_enabled"):
+            raise ConfigError(
+                f"target 'vllm': vLLM {v.version} has no hits inside a block (prefix_match_unit, 0.30.0 on); "
+                f"hash_unit must be None or the block size, got {config.hash_unit}"
+            )
         missing = [
             n for n, d in params.items() if d is inspect.Parameter.empty and n not in wanted and n != "kv_cache_config"
         ]
@@ -331,7 +336,7 @@ class VllmAllocator:
     def _attach(self) -> None:
         v = self.v
         self.pool = self.manager.block_pool
-        self.hasher = v.kvu.get_request_block_hasher(self.block_size, v.sha256)
+        self.hasher = v.kvu.get_request_block_hasher(self.config.unit, v.sha256)
         self._allocate_params = _accepted(v.KVCacheManager.allocate_slots)
         self.requests: dict = {}  # kvprop request id -> vLLM Request
         self.hash_names: dict = {}  # vLLM block hash (bytes) -> kvprop block hash
@@ -370,8 +375,8 @@ class VllmAllocator:
         self.name_hashes(request, vreq)
 
     def name_hashes(self, request, vreq) -> None:
-        """Record which kvprop hash each new vLLM block hash stands for (same block, same index)."""
-        rid, vllm_hashes, kvprop_hashes = request.request_id, vreq.block_hashes, request.block_hashes
+        """Record which kvprop hash each new vLLM block hash stands for (same hash unit, same index)."""
+        rid, vllm_hashes, kvprop_hashes = request.request_id, vreq.block_hashes, request.unit_hashes
         done = self._named[rid]
         end = min(len(vllm_hashes), len(kvprop_hashes))
         for i in range(done, end):
@@ -429,6 +434,18 @@ class VllmAllocator:
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return tuple(list(ids) for ids in self.manager.get_block_ids(request_id))
+
+    def take_kv_cache_block_copies(self) -> list[tuple[int, int]]:
+        """vLLM's queued block copies (0.30.0 on; none before), each (source id, copy id), with
+        the references that held both ends released as its scheduler releases them when it
+        does not defer frees (``Scheduler._free_cow_retained_blocks``)."""
+        take = getattr(self.manager, "take_kv_cache_block_copies", None)
+        if take is None:
+            return []
+        copies, retained = take()
+        if retained:
+            self.pool.free_blocks(retained)
+        return [(c.src_block_id, c.dst_block_id) for c in copies]
 
     def take_events(self) -> list:
         """vLLM's KV cache events since the last call, in kvprop's terms: one event per key
@@ -548,6 +565,11 @@ class VllmView:
 
     def cache_keys(self) -> list:
         return [self._key(b.block_hash) for b in self.pool.blocks]
+
+    def extra_keys(self) -> dict:
+        """Block id -> its further keys (vLLM's ``cached_block_hashes_by_block``, 0.24.0 on)."""
+        extra = getattr(self.pool, "cached_block_hashes_by_block", {})
+        return {b: sorted((self._key(k) for k in keys), key=repr) for b, keys in extra.items() if keys}
 
     @property
     def num_free_blocks(self) -> int:
