@@ -296,6 +296,11 @@ class EngineConfig:
                     f"num_speculative_blocks from num_speculative_tokens), got {spec.speculative_blocks} "
                     f"and {self.speculative_tokens}"
                 )
+        if self.connector != "off" and self.allocator.partial_hits:
+            raise ConfigError(
+                f"EngineConfig.connector must be 'off' with hash_unit below the block size, got {self.connector!r}: "
+                f"what a connector stores and loads at a boundary inside a block is not modelled (docs/design.md §8.4)"
+            )
         modes = {spec.mode for spec in self.allocator.groups if isinstance(spec, Mamba)}
         if self.connector != "off" and modes and (self.connector != "async" or modes != {"align"}):
             raise ConfigError(

@@ -37,6 +37,23 @@ class AllocatorView:
         """Block id -> its further keys beyond ``cache_key``, for blocks that have any."""
         return {b: sorted(keys, key=repr) for b, keys in self.pool.extra_keys.items() if keys}
 
+    def further_keys(self, block_id: int) -> list:
+        """The keys of ``block_id`` beyond ``cache_key`` (at hash-unit boundaries inside it)."""
+        return sorted(self.pool.extra_keys.get(block_id, ()), key=repr)
+
+    def map_holds(self, key, block_id: int) -> bool:
+        return block_id in self.pool.cached.get(key, ())
+
+    def pending_copy_refs(self) -> dict:
+        """Block id -> references held for block copies queued and not yet taken by the
+        scheduler (each copy holds its source and its destination once)."""
+        refs: dict = {}
+        for manager in self.managers:
+            for pair in manager.pending_copies:
+                for block in pair:
+                    refs[block.block_id] = refs.get(block.block_id, 0) + 1
+        return refs
+
     @property
     def num_free_blocks(self) -> int:
         return self.pool.free_queue.num_free

@@ -37,6 +37,9 @@ class Checker(Hooks):
         # notes keys at the step's start instead (step_starts)
         self.states_at_step_start: frozenset | None = frozenset()
         self.cached_by_allocations: set = set()  # keys of state blocks an allocation cached in this step
+        # blocks the in-step structural checks judged since the last check_all: their data is
+        # judged there, once the step's writes and copies have run
+        self.judged_in_step: set = set()
 
     def sweep_interval(self, engine) -> int:
         """Checks between full sweeps: ``full_every``, and in a pool of more than
@@ -97,11 +100,14 @@ class Checker(Hooks):
         return since | self.cached_by_allocations
 
     def _note_cached_states(self, engine, request_id: str, cached_before: dict) -> None:
-        """The state blocks this allocation cached."""
+        """The state blocks this allocation cached: those its cached count passed over, and, when
+        hits may end inside a block, any keyed entry after them (the running block keyed at a
+        boundary inside it is left out of the count)."""
         view, null = engine.view, engine.view.null_block_id
+        partial = engine.config.allocator.partial_hits
         for g, before in cached_before.items():
             table = view.request_block_ids(g, request_id) or []
-            for block_id in table[before : view.num_cached_blocks(g, request_id) or 0]:
+            for block_id in table[before : None if partial else view.num_cached_blocks(g, request_id) or 0]:
                 if block_id != null and view.cache_key(block_id) is not None:
                     self.cached_by_allocations.add(view.cache_key(block_id))
 
@@ -214,6 +220,8 @@ class Checker(Hooks):
         changed.add(view.null_block_id)  # the null block's own state, at every check
         self.pending_changes = set()
         changed_tables = self.mirror.sync(changed, requests=self.dirty if in_step else None)
+        if in_step:
+            self.judged_in_step |= changed
         self.dirty = set()
         only = {rid for rid, _ in changed_tables} | set(pending or ()) | set(admitted_now)
         if not in_step:
@@ -262,6 +270,8 @@ class Checker(Hooks):
         self.num_checks += 1
         if self.incremental(engine) and self.num_checks % self.sweep_interval(engine):
             _, keys, changed = self.check_structure(engine)
+            changed |= self.judged_in_step
+            self.judged_in_step = set()
             cached = [(b, keys[b]) for b in changed if keys[b] is not None]
             inv.check_recent_data(engine, engine.view, cached, self.expected_rows)
             self.check_events(engine, incremental=True)
@@ -281,6 +291,7 @@ class Checker(Hooks):
             self.mirror = Mirror(view)
             self.signatures.clear()
             self.pending_changes = set()
+            self.judged_in_step = set()
 
 
 STALLED_STEPS = 2  # steps in a row that left the engine's stall signature as it was

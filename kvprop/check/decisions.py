@@ -12,7 +12,7 @@ freed first). Between the two bounds either answer is the target's to choose.
 
 from __future__ import annotations
 
-from kvprop.allocator.specs import ChunkedLocal, Mamba, SlidingWindow, cdiv
+from kvprop.allocator.specs import ChunkedLocal, FullAttention, Mamba, SlidingWindow, cdiv
 from kvprop.errors import Violation
 
 
@@ -30,6 +30,7 @@ def capacity_bounds(
         + kwargs.get("num_new_computed_tokens", 0)
         + kwargs.get("num_external_computed_tokens", 0)
     )
+    local = request.num_computed_tokens + kwargs.get("num_new_computed_tokens", 0)
     main = computed + num_new_tokens
     slots = main + kwargs.get("num_lookahead_tokens", 0)
     generous = conservative = freed = 0
@@ -41,6 +42,12 @@ def capacity_bounds(
             need, frees = _state_group_need(
                 view, table, group_hits, main, computed, same_step_states, spec.speculative_blocks
             )
+            if engine.config.allocator.partial_hits:
+                # a copy of the shared state block: certain when the hit ends inside it; possible
+                # for an admitted request that keyed its running block at a boundary inside it
+                copy = _copy_of_tail([b.block_id for b in group_hits], local, bs)
+                possible = int(table is not None)
+                need = (need[0] + copy, need[1] + copy + possible)
             generous, conservative, freed = generous + need[0], conservative + need[1], freed + frees
             continue
         if table is not None:
@@ -53,8 +60,10 @@ def capacity_bounds(
             continue
         group_hits = [b.block_id for b in hits[g]] if hits is not None else []
         evictable = [i for i, b in enumerate(group_hits) if b != null and view.ref_cnt(b) == 0]
+        copy = _copy_of_tail(group_hits, local, bs)
         generous += max(0, cdiv(slots, bs) - max(skipped, len(group_hits))) + sum(i >= skipped for i in evictable)
-        conservative += max(0, cdiv(slots, bs) - len(group_hits)) + len(evictable)
+        generous += copy
+        conservative += max(0, cdiv(slots, bs) - len(group_hits)) + len(evictable) + copy
     if kwargs.get("full_sequence_must_fit") and request.num_tokens > main:
         # vLLM's admission gate (its scheduler's, 0.24.0 on): the whole sequence must fit too
         whole = {**kwargs, "full_sequence_must_fit": False, "num_lookahead_tokens": 0}
@@ -63,6 +72,12 @@ def capacity_bounds(
     # blocks vLLM's scheduler keeps back for loads and prefills in flight (0.24.0 on)
     conservative += kwargs.get("reserved_blocks", 0)
     return generous, conservative, view.num_free_blocks, freed
+
+
+def _copy_of_tail(hit_ids, num_local: int, bs: int) -> int:
+    """1 when an admission's hit ends inside its last block: the request gets a copy of that
+    shared block (vLLM's ``_has_partial_local_hit``), else 0."""
+    return int(bool(hit_ids) and num_local % bs != 0)
 
 
 def _state_group_need(view, table, hits, main: int, computed: int, same_step, k: int) -> tuple[tuple[int, int], int]:
@@ -103,10 +118,16 @@ def allocation_decision(request, bounds, accepted: bool) -> None:
         )
 
 
-def _group_hit(spec, cached, group: int, hashes, max_length: int) -> int:
-    """Hit tokens group ``group`` allows within ``max_length`` tokens (kvprop's spec rules)."""
+def _group_hit(spec, cached, group: int, hashes, max_length: int, units=None, unit: int = 0) -> int:
+    """Hit tokens group ``group`` allows within ``max_length`` tokens (kvprop's spec rules).
+    ``units``/``unit``: the request's per-unit hashes and the unit, when hits may end inside a
+    block: a state is then restored at any unit boundary whose key is cached, and full
+    attention's run of cached blocks extends into the next block as far as a key there reaches."""
     bs = spec.block_size
     n = min(max_length // bs, len(hashes))
+    if isinstance(spec, Mamba) and units is not None:
+        m = min(max_length // unit, len(units))
+        return next(((j + 1) * unit for j in range(m - 1, -1, -1) if (units[j], group) in cached), 0)
     if isinstance(spec, Mamba):  # the rightmost cached state at a block boundary
         return next(((i + 1) * bs for i in range(n - 1, -1, -1) if (hashes[i], group) in cached), 0)
     if isinstance(spec, SlidingWindow):
@@ -122,6 +143,10 @@ def _group_hit(spec, cached, group: int, hashes, max_length: int) -> int:
     i = start
     while i < n and (hashes[i], group) in cached:
         i += 1
+    if units is not None and not isinstance(spec, ChunkedLocal):
+        scale = bs // unit
+        top = min((i + 1) * scale - 1, max_length // unit, len(units))
+        return next(((j + 1) * unit for j in range(top - 1, i * scale - 1, -1) if (units[j], group) in cached), i * bs)
     return i * bs
 
 
@@ -144,10 +169,21 @@ def longest_hit(engine, request) -> int:
     has_key = getattr(view, "has_cache_key", None)  # O(1) where the view offers it
     cached = _KeySet(has_key) if has_key is not None else {key for key, _ in view.cache_map_items()}
     length = request.num_tokens - 1
+    allocator = engine.config.allocator
+    units, unit = (request.unit_hashes, allocator.unit) if allocator.partial_hits else (None, 0)
+    # Full attention's hit is downward-closed: whatever it covers at the limit, it covers below.
+    full = {
+        g: _group_hit(spec, cached, g, request.block_hashes, length, units, unit)
+        for g, spec in enumerate(engine.specs)
+        if isinstance(spec, FullAttention)
+    }
     while True:
         candidate = length
         for g, spec in enumerate(engine.specs):
-            candidate = _group_hit(spec, cached, g, request.block_hashes, candidate)
+            if g in full:
+                candidate = min(candidate, full[g])
+            else:
+                candidate = _group_hit(spec, cached, g, request.block_hashes, candidate, units, unit)
         if candidate == length:
             return length
         length = candidate

@@ -24,17 +24,40 @@ def gather_tables(view) -> dict[tuple[str, int], list[int]]:
     }
 
 
+# ---- what a view may report beyond its required calls (docs/targets.md) ------------------
+
+
+def extra_keys(view) -> dict:
+    """Block id -> its keys beyond ``cache_key`` (hits inside a block); {} for a view without them."""
+    report = getattr(view, "extra_keys", None)
+    return report() if report is not None else {}
+
+
+def further_keys(view, block_id: int) -> list:
+    report = getattr(view, "further_keys", None)
+    return report(block_id) if report is not None else []
+
+
+def pending_copy_refs(view) -> dict:
+    """Block id -> references held for queued block copies; {} for a view without copies."""
+    report = getattr(view, "pending_copy_refs", None)
+    return report() if report is not None else {}
+
+
 # ---- per-block sentences, shared by the full sweep and the incremental checker -----------
 
 
-def block_ref_cnt(block_id: int, ref_cnt: int, holders: int, who=()) -> None:
-    """1. ref_cnt(b) is never negative and equals the number of (request, group) table entries holding b."""
+def block_ref_cnt(block_id: int, ref_cnt: int, holders: int, who=(), copies: int = 0) -> None:
+    """1. ref_cnt(b) is never negative and equals the number of (request, group) table entries
+    holding b, plus the queued block copies that name b (a copy holds its source and its
+    destination until the scheduler takes it; vLLM's ``_apply_cow``)."""
     if ref_cnt < 0:
         raise Violation("negative-ref-cnt", f"block {block_id} has ref_cnt {ref_cnt}", blocks=[block_id])
-    if ref_cnt != holders:
+    if ref_cnt != holders + copies:
+        queued = f" and {copies} queued copies" if copies else ""
         raise Violation(
             "ref-cnt-mismatch",
-            f"block {block_id} has ref_cnt {ref_cnt} but {holders} table entries hold it",
+            f"block {block_id} has ref_cnt {ref_cnt} but {holders} table entries{queued} hold it",
             blocks=[block_id],
             requests=sorted(who),
         )
@@ -92,7 +115,7 @@ def table_without_repeats(rid: str, group: int, table, null_block_id: int) -> No
 
 
 def block_cache_entry(block_id: int, key, in_map: bool, num_groups: int, is_null: bool) -> None:
-    """4. A cached block is in the map under its key; the null block is never cached."""
+    """4. A cached block is in the map under each of its keys; the null block is never cached."""
     if key is None:
         return
     if is_null:
@@ -123,12 +146,13 @@ def free_count(linked: int, reported: int) -> None:
         raise Violation("free-count", f"{linked} blocks are linked into the free queue but it reports {reported}")
 
 
-def map_entry(block_id: int, map_key, block_key) -> None:
-    """4. The map holds a block only under the key the block carries."""
-    if map_key != block_key:
+def map_entry(block_id: int, map_key, block_key, further=()) -> None:
+    """4. The map holds a block only under a key the block carries."""
+    if map_key != block_key and map_key not in further:
+        also = f" (and {list(further)})" if further else ""
         raise Violation(
             "cache-map-stale",
-            f"cache map holds block {block_id} under {map_key} but the block says {block_key}",
+            f"cache map holds block {block_id} under {map_key} but the block says {block_key}{also}",
             blocks=[block_id],
         )
 
@@ -147,17 +171,22 @@ def check_blocks(view, tables, ref_cnts, keys) -> None:
                 groups_of[block_id].add(g)
                 who[block_id].add(rid)
     in_queue = set(view.free_queue_ids())
-    mapped = {}
+    further = extra_keys(view)
+    copies = pending_copy_refs(view)
+    mapped = defaultdict(set)
     for key, block_id in view.cache_map_items():
-        map_entry(block_id, key, keys[block_id])
-        mapped[block_id] = key
+        map_entry(block_id, key, keys[block_id], further.get(block_id, ()))
+        mapped[block_id].add(key)
+    for block_id, extra in further.items():
+        for key in extra:
+            block_cache_entry(block_id, key, key in mapped[block_id], view.num_groups, block_id == view.null_block_id)
     for block_id, ref_cnt in enumerate(ref_cnts):
         is_null = block_id == view.null_block_id
-        block_cache_entry(block_id, keys[block_id], mapped.get(block_id) == keys[block_id], view.num_groups, is_null)
+        block_cache_entry(block_id, keys[block_id], keys[block_id] in mapped[block_id], view.num_groups, is_null)
         if is_null:
             null_block_not_free(block_id, block_id in in_queue)
             continue
-        block_ref_cnt(block_id, ref_cnt, holders.get(block_id, 0), who.get(block_id, ()))
+        block_ref_cnt(block_id, ref_cnt, holders.get(block_id, 0), who.get(block_id, ()), copies.get(block_id, 0))
         block_queue_membership(block_id, ref_cnt, block_id in in_queue)
         block_single_group(block_id, groups_of.get(block_id, ()), who.get(block_id, ()))
         block_shared_only_if_cached(block_id, holders.get(block_id, 0), keys[block_id], who.get(block_id, ()))
@@ -382,9 +411,9 @@ def check_data(engine, view, tables, keys, memo: dict) -> None:
                 slots.append(block_id * bs + p % bs)
                 expected.append(fingerprint(g, p, prefix[p]))
                 origin.append((rid, g, p, block_id))
-    _expect_cached_and_null(
-        engine, view, [(b, k) for b, k in enumerate(keys) if k is not None], slots, expected, origin, memo
-    )
+    cached = [(b, k) for b, k in enumerate(keys) if k is not None]
+    cached += [(b, k) for b, extra in extra_keys(view).items() for k in extra]
+    _expect_cached_and_null(engine, view, cached, slots, expected, origin, memo)
     report_mismatch(memory, slots, expected, origin)
 
 
@@ -396,6 +425,7 @@ def check_recent_data(engine, view, changed_cached, memo: dict) -> None:
     slots, expected = memory.take_recent_writes()
     if not slots and not changed_cached:
         return
+    changed_cached = [*changed_cached, *((b, k) for b, _ in changed_cached for k in further_keys(view, b))]
     origin = Origins()
     origin.run(len(slots), lambda j: ("a write this step", -1, slots[j] % bs, slots[j] // bs))
     _expect_cached_and_null(engine, view, changed_cached, slots, expected, origin, memo)

@@ -99,6 +99,7 @@ class Mirror:
         view, null, num_groups = self.view, self.view.null_block_id, self.view.num_groups
         keys, free, holders_of, groups_of = self.keys, self.free, self.holders, self.groups
         first_keys = self.first_keys
+        copies = inv.pending_copy_refs(view) if check else {}
         for block_id in changed:
             old_key = keys[block_id]
             if first_keys is not None and block_id not in first_keys:
@@ -115,17 +116,20 @@ class Mirror:
                 free.discard(block_id)
             if not check:
                 continue
+            further = inv.further_keys(view, block_id) if key is not None else ()
             if stale:
-                inv.map_entry(block_id, old_key, key)
+                inv.map_entry(block_id, old_key, key, further)
             if key is not None and (not in_map or block_id == null or not 0 <= key[1] < num_groups):
                 inv.block_cache_entry(block_id, key, in_map, num_groups, block_id == null)
+            for extra in further:
+                inv.block_cache_entry(block_id, extra, view.map_holds(extra, block_id), num_groups, block_id == null)
             if block_id == null:
                 inv.null_block_not_free(block_id, in_queue)
                 continue
-            holders = holders_of[block_id]
-            if ref_cnt != holders or len(groups_of[block_id]) > 1 or (holders > 1 and key is None):
+            holders, queued = holders_of[block_id], copies.get(block_id, 0)
+            if ref_cnt != holders + queued or len(groups_of[block_id]) > 1 or (holders > 1 and key is None):
                 who = self._who(block_id)
-                inv.block_ref_cnt(block_id, ref_cnt, holders, who)
+                inv.block_ref_cnt(block_id, ref_cnt, holders, who, queued)
                 inv.block_single_group(block_id, groups_of[block_id], who)
                 inv.block_shared_only_if_cached(block_id, holders, key, who)
             if ref_cnt < 0 or (ref_cnt == 0) != in_queue:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from kvprop.allocator.hashing import state_fingerprint
 from kvprop.allocator.specs import cdiv
-from kvprop.check.invariants import own_cache_key
+from kvprop.check.invariants import further_keys, own_cache_key
 from kvprop.errors import Violation
 
 # ---- 11. the caller's contract ----------------------------------------------------------------
@@ -24,13 +24,17 @@ def whole_state(view) -> tuple:
 
 
 def foreign_hits(view, request, hits) -> bool:
-    """Whether some real block of ``hits`` is not ``request``'s own cached block at its index."""
-    hashes = request.block_hashes
+    """Whether some real block of ``hits`` is not ``request``'s own cached block at its index: cached
+    under none of the keys of the request's prefixes that end inside it (the block's own, or a
+    hash unit's when hits may end inside a block)."""
+    units, scale = request.unit_hashes, request.block_size // request.unit
     for g, group_hits in enumerate(hits):
         for i, block in enumerate(group_hits):
             if block.block_id == view.null_block_id:
                 continue
-            if i >= len(hashes) or view.cache_key(block.block_id) != own_cache_key(hashes[i], g):
+            own = {own_cache_key(h, g) for h in units[i * scale : (i + 1) * scale]}
+            keys = [view.cache_key(block.block_id), *further_keys(view, block.block_id)]
+            if not own.intersection(keys):
                 return True
     return False
 

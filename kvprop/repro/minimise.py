@@ -208,6 +208,8 @@ def _simpler_configs(config):
     candidates += [tuple(FullAttention(g.block_size) if g.kind != "full" else g for g in groups)]
     for new_groups in candidates:
         yield _with_allocator(config, groups=new_groups)
+    if a.hash_unit is not None:  # hits end on block boundaries
+        yield _with_allocator(config, hash_unit=None)
     if a.enable_kv_cache_events:
         yield _with_allocator(config, enable_kv_cache_events=False)
     if a.retention_interval is not None:  # dense caching has no rule of its own to read

@@ -18,6 +18,7 @@ from __future__ import annotations
 import attrs
 
 from kvprop.allocator.specs import FullAttention, Mamba
+from kvprop.check.invariants import extra_keys
 from kvprop.errors import ConfigError
 from kvprop.search.harness import Harness
 from kvprop.search.walk import plan
@@ -47,7 +48,7 @@ def snapshot(harness: Harness) -> dict:
     return {
         "tables": {rid: engine.boundary.get_block_ids(rid) for rid in engine.requests},
         "cache keys": engine.view.cache_keys(),
-        "further keys": engine.view.extra_keys(),
+        "further keys": extra_keys(engine.view),
         "free blocks": engine.view.num_free_blocks,
         "events": engine.take_kv_events(),
     }
@@ -87,9 +88,9 @@ def agree_walk(seed: int, target: str, max_ops: int = 200, no_junction: bool = F
 
 def _without_junction(config):
     """``config`` where the junction changes nothing: dense retention, and a state group
-    replaced by full attention."""
+    replaced by full attention (so hits end on block boundaries)."""
     groups = tuple(FullAttention(s.block_size) if isinstance(s, Mamba) else s for s in config.allocator.groups)
-    allocator = attrs.evolve(config.allocator, groups=groups, retention_interval=None)
+    allocator = attrs.evolve(config.allocator, groups=groups, retention_interval=None, hash_unit=None)
     return attrs.evolve(config, allocator=allocator)
 
 

@@ -72,6 +72,13 @@ def sample_config(choose) -> EngineConfig:
     if state_group:  # vLLM sizes a state group's scratch columns by the drafts
         speculative = min(speculative, bs - 1) if enable_caching else 0
         groups[-1] = Mamba(bs, "align" if enable_caching else "none", speculative)
+    hash_unit = None
+    if state_group and enable_caching and connector == "off" and bs > 1 and choose.integer(0, 1):
+        # Hits inside a block in half of the shapes that can have them: a hash unit below the
+        # block, the other groups full attention (vLLM's partial_hash_hits_enabled).
+        groups = [FullAttention(bs)] * max(1, len(groups) - 1) + [groups[-1]]
+        hash_unit = choose.pick(tuple(u for u in range(1, bs) if bs % u == 0))
+        num_blocks = max(num_blocks, 1 + 3 * len(groups))
     return EngineConfig(
         allocator=AllocatorConfig(
             tuple(groups),
@@ -79,6 +86,7 @@ def sample_config(choose) -> EngineConfig:
             enable_caching,
             retention_interval=_retention(choose, groups, bs),
             enable_kv_cache_events=choose.integer(0, 1) == 1,
+            hash_unit=hash_unit,
         ),
         token_budget=token_budget,
         lookahead=lookahead,

@@ -94,6 +94,7 @@ def config_to_dict(config: EngineConfig) -> dict:
         "enable_caching": a.enable_caching,
         "retention_interval": a.retention_interval,
         "enable_kv_cache_events": a.enable_kv_cache_events,
+        "hash_unit": a.hash_unit,
         "token_budget": config.token_budget,
         "lookahead": config.lookahead,
         "connector": config.connector,
@@ -139,6 +140,7 @@ CONFIG_FIELDS = (
     "enable_caching",
     "retention_interval",
     "enable_kv_cache_events",
+    "hash_unit",
     "token_budget",
     "lookahead",
     "connector",
@@ -173,6 +175,7 @@ def config_from_dict(d) -> EngineConfig:
                 # absent from traces written before these were modelled: those ran dense, without events
                 retention_interval=_optional(d, "retention_interval", None, (int, type(None))),
                 enable_kv_cache_events=_optional(d, "enable_kv_cache_events", False, bool),
+                hash_unit=_optional(d, "hash_unit", None, (int, type(None))),  # absent before: the block size
             ),
             token_budget=_require(d, "token_budget", "config", int),
             lookahead=_require(d, "lookahead", "config", int),

@@ -138,9 +138,13 @@ class Engine:
 
     def max_blocks_needed(self, num_tokens: int) -> int:
         """At most what a request of ``num_tokens`` holds at once: a block per position and
-        group, plus a state group's scratch columns."""
+        group, plus a state group's scratch columns, plus, when hits may end inside a block, the
+        copy each group takes of a shared block (on admission after such a hit, or, in a state
+        group, after keying its own running block). Without that copy in the pool a preempted
+        request whose hit ends inside a block could never be admitted again."""
         scratch = sum(getattr(spec, "speculative_blocks", 0) for spec in self.specs)
-        return len(self.specs) * cdiv(num_tokens + self.config.lookahead, self.block_size) + scratch
+        copies = len(self.specs) if self.config.allocator.partial_hits else 0
+        return len(self.specs) * cdiv(num_tokens + self.config.lookahead, self.block_size) + scratch + copies
 
     def add_request(self, prompt, max_new_tokens: int) -> Request:
         prompt = list(prompt)
@@ -154,7 +158,8 @@ class Engine:
             raise RequestError(
                 f"add_request: a request of {len(prompt)} prompt + {max_new_tokens} new tokens may need {need} blocks "
                 f"({len(self.specs)} groups x ceil(({len(prompt)}+{max_new_tokens}+lookahead {self.config.lookahead})"
-                f"/{self.block_size}), plus state groups' scratch columns) but the pool has only {usable} usable "
+                f"/{self.block_size}), plus state groups' scratch columns and, with hits inside a block, one copy "
+                f"per group) but the pool has only {usable} usable "
                 f"blocks; it could never finish"
             )
         rid = f"r{self.next_id}"

@@ -33,6 +33,7 @@ class PagedMemory:
         self.data = torch.full((num_blocks, block_size), UNWRITTEN, dtype=torch.int64, device=self.device)
         self.flat = self.data.view(-1)
         self.recent: list | None = None  # (slots, values) of writes since a checker last looked, when it asks
+        self.copied: dict = {}  # slot -> value a block copy put there, until a write replaces it
 
     def take_recent_writes(self) -> tuple[list[int], list[int]]:
         """Every write since the last call, flattened; starts recording on the first call."""
@@ -40,7 +41,9 @@ class PagedMemory:
         for s, v in self.recent or ():
             slots.extend(s)
             values.extend(v)
-        self.recent = []
+        slots.extend(self.copied)
+        values.extend(self.copied.values())
+        self.recent, self.copied = [], {}
         return slots, values
 
     def _index(self, slots) -> torch.Tensor:
@@ -51,6 +54,9 @@ class PagedMemory:
             self.flat[self._index(slots)] = torch.as_tensor(values, dtype=torch.int64, device=self.device)
             if self.recent is not None:
                 self.recent.append((slots, values))
+                if self.copied:
+                    for slot in slots:
+                        self.copied.pop(slot, None)
 
     def copy(self, source: int, dest: int) -> None:
         """Copy one slot over another that this step may already have written: a worker's
@@ -66,10 +72,14 @@ class PagedMemory:
             self.recent.append(([dest], [value]))
 
     def copy_block(self, source: int, dest: int) -> None:
-        """Copy block ``source``'s slots over block ``dest``'s (a worker's block copy)."""
+        """Copy block ``source``'s slots over block ``dest``'s (a worker's block copy, before the
+        step's forward pass). The checker's record of the copy gives way to a later write of
+        the same slot: the request that owns the copy continues writing it in the same step."""
         bs = self.block_size
-        slots = list(range(dest * bs, (dest + 1) * bs))
-        self.write(slots, self.read(list(range(source * bs, (source + 1) * bs))))
+        src, dst = slice(source * bs, (source + 1) * bs), slice(dest * bs, (dest + 1) * bs)
+        self.flat[dst] = self.flat[src]
+        if self.recent is not None:
+            self.copied.update(zip(range(dst.start, dst.stop), self.flat[dst].tolist()))
 
     def read(self, slots: list[int]) -> list[int]:
         if not slots:

@@ -247,6 +247,28 @@ class DraftSlotsReturned(SingleTypeManager):
             self.pool.free_blocks(reversed(surplus))
 
 
+class PartialHitShared(SingleTypeManager):
+    """Takes a hit that ends inside a block like any other: the shared block stays in the table,
+    counted as cached, with no copy, and the request computes into it (vLLM's copy-on-write,
+    ``_has_partial_local_hit``, forgotten)."""
+
+    def _partial_local_hit(self, hits, num_local):
+        return False
+
+
+class StateKeyNotMoved(MambaManager):
+    """Queues the copy of a state block its own request keyed inside it, but leaves the keys on
+    the block the request keeps writing, instead of moving them to the copy."""
+
+    def _copy_partial(self, table, index, source, copy, allocated):
+        if not allocated:
+            return super()._copy_partial(table, index, source, copy, allocated)
+        self.pending_copies.append((source, copy))
+        source.ref_cnt += 1
+        self.pool.changed.add(source.block_id)
+        return [copy]
+
+
 def _with_manager(spec_type: type, manager: type) -> Parts:
     """The allocator's parts with ``manager`` serving ``spec_type``'s groups."""
     return Parts(managers={**MANAGER_FOR_SPEC, spec_type: manager})
@@ -343,6 +365,16 @@ VARIANTS = {
             "draft-slots-returned",
             "the slots of rejected drafts are handed back and replaced, though a table may only grow",
             parts=Parts(managers=_mixed_managers(DraftSlotsReturned)),
+        ),
+        Variant(
+            "partial-hit-shared",
+            "a hit that ends inside a block keeps the shared block, uncopied, and computes into it",
+            parts=Parts(managers=_mixed_managers(PartialHitShared)),
+        ),
+        Variant(
+            "state-key-not-moved",
+            "a state block keyed inside it is copied, but its keys stay on the block its request overwrites",
+            parts=_with_manager(Mamba, StateKeyNotMoved),
         ),
         Variant(
             "free-keeps-cached-count",

@@ -571,6 +571,25 @@ class VllmView:
         extra = getattr(self.pool, "cached_block_hashes_by_block", {})
         return {b: sorted((self._key(k) for k in keys), key=repr) for b, keys in extra.items() if keys}
 
+    def further_keys(self, block_id: int) -> list:
+        extra = getattr(self.pool, "cached_block_hashes_by_block", {}).get(block_id, ())
+        return sorted((self._key(k) for k in extra), key=repr)
+
+    def map_holds(self, key, block_id: int) -> bool:
+        vllm_key = self._vllm_keys.get(key)
+        if vllm_key is None:
+            return any(k == key and b == block_id for k, b in self.cache_map_items())
+        return self._map_has(vllm_key, block_id)
+
+    def pending_copy_refs(self) -> dict:
+        """Block id -> references held for vLLM's queued block copies (0.30.0 on)."""
+        refs: dict = {}
+        for manager in self.managers:
+            for pair in getattr(manager, "_pending_cow_copies", ()):
+                for block in pair:
+                    refs[block.block_id] = refs.get(block.block_id, 0) + 1
+        return refs
+
     @property
     def num_free_blocks(self) -> int:
         return self.queue.num_free_blocks

@@ -347,6 +347,9 @@ class SchedulerEngine(OffloadWorker, Engine):
         try:
             output = self._call("Scheduler.schedule", self.scheduler.schedule)
             starts = self._hand_to_worker(output)
+            for copy in getattr(output, "kv_cache_block_copies", None) or ():
+                # the worker copies before the forward pass (vLLM 0.30.0 on; hits inside a block)
+                self.memory.copy_block(copy.src_block_id, copy.dst_block_id)
             meta = getattr(output, "kv_connector_metadata", None)
             due, self.stores_due = self.stores_due, []
             if meta is not None:

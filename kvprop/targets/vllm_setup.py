@@ -223,6 +223,15 @@ def build_scheduler(config: EngineConfig):
             ],
             **retention.get("field", {}),
         )
+        units = {}
+        if alloc.partial_hits:
+            # what the engine passes from prefix_match_unit (resolve_kv_cache_block_sizes, 0.30.0 on)
+            if "hash_block_size" not in inspect.signature(s.Scheduler).parameters:
+                raise ConfigError(
+                    f"target 'vllm-scheduler': vLLM {v.version}'s scheduler has no hits inside a block; "
+                    f"hash_unit must be None or the block size, got {alloc.hash_unit}"
+                )
+            units["hash_block_size"] = alloc.unit
         with _environment(retention.get("env", {})):
             return s.Scheduler(
                 vllm_config=vllm_config,
@@ -230,6 +239,7 @@ def build_scheduler(config: EngineConfig):
                 structured_output_manager=s.StructuredOutputManager(vllm_config),
                 block_size=bs,
                 log_stats=True,  # a served engine logs statistics unless told not to (--disable-log-stats)
+                **units,
             )
     except ConfigError:
         raise
