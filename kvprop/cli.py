@@ -186,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="for a target without the shared-prefix junction (vLLM before 0.30.0): no retention, no state group",
     )
+    ag.add_argument(
+        "--block-hits",
+        action="store_true",
+        help="hits end on block boundaries (no hash unit): for vLLM 0.30.0, whose hits inside a block "
+        "follow other rules than the 0.33.0 kvprop models",
+    )
     ag.add_argument("--json", action="store_true", help="print one JSON object")
 
     bench = command("bench", c.cmd_bench, "throughput, scaling and time-to-find tables")

@@ -415,7 +415,7 @@ def cmd_agree(args) -> int:
     _check_allocator(None, args.target)
     _say(args, f"kvprop {__version__} agree: kvprop vs {args.target}, walks {args.seed}..{args.seed + args.walks - 1}")
     seeds = range(args.seed, args.seed + args.walks)
-    result = agree(args.target, seeds, max_ops=args.max_ops, no_junction=args.no_junction)
+    result = agree(args.target, seeds, max_ops=args.max_ops, no_junction=args.no_junction, block_hits=args.block_hits)
     if result.walks == 0:
         raise ConfigError(
             f"target {args.target!r} refused all {result.refused} configurations, nothing compared; "
@@ -432,6 +432,7 @@ def cmd_agree(args) -> int:
             f"  kvprop:  {d.reference}\n  {args.target}: {d.target}\n"
             f"reproduce: kvprop agree --target {args.target} --seed {d.seed} --walks 1"
             + (" --no-junction" if args.no_junction else "")
+            + (" --block-hits" if args.block_hits else "")
         )
     return EXIT_CLEAN if d is None else EXIT_FOUND
 

@@ -310,7 +310,8 @@ def test_the_retention_interval_reaches_vllms_coordinator(interval):
 @needs_fix  # before 0.24.0 vLLM takes a hit's external blocks group by group, in its own order
 def test_kvprop_and_vllm_agree_step_for_step():
     """The same walks on kvprop's allocator and on vLLM's leave the same tables, cache keys
-    and free count after every operation (retention, junctions and windows included; before
-    0.30.0 vLLM has no junction, so its walks run without retention and state groups)."""
-    result = agree("vllm", range(40), no_junction=RELEASE < (0, 30))
+    and free count after every operation (retention, junctions, windows and hits inside a block
+    included; before 0.30.0 vLLM has no junction, so its walks run without retention and state
+    groups; 0.30.0's hits inside a block follow other rules, so its walks end hits on blocks)."""
+    result = agree("vllm", range(40), no_junction=RELEASE < (0, 30), block_hits=RELEASE[:2] == (0, 30))
     assert (result.disagreement, result.walks) == (None, 40)

@@ -67,12 +67,18 @@ def _first_difference(a: dict, b: dict) -> tuple[str, str, str] | None:
     return None
 
 
-def agree_walk(seed: int, target: str, max_ops: int = 200, no_junction: bool = False):
+def agree_walk(seed: int, target: str, max_ops: int = 200, no_junction: bool = False, block_hits: bool = False):
     """(steps run, the first disagreement) of walk ``seed`` between kvprop and ``target``
-    (checks off on both sides: the invariants are not what is compared here)."""
+    (checks off on both sides: the invariants are not what is compared here). ``block_hits``:
+    hits end on block boundaries (the hash unit dropped), for a release whose hits inside a
+    block follow other rules than 0.33.0's, which kvprop models (0.30.0 keys the prompt's tail
+    at the last unit boundary at or below its length, 0.33.0 below its last token)."""
     trace = plan(seed, max_ops)
     if no_junction:
         trace = attrs.evolve(trace, config=_without_junction(trace.config))
+    if block_hits:
+        allocator = attrs.evolve(trace.config.allocator, hash_unit=None)
+        trace = attrs.evolve(trace, config=attrs.evolve(trace.config, allocator=allocator))
     reference = Harness(trace.config, checks=False)
     other = Harness(trace.config, target=target, checks=False)
     steps = [op for op in trace.steps if type(op).__name__ != "Misuse"]
@@ -94,13 +100,15 @@ def _without_junction(config):
     return attrs.evolve(config, allocator=allocator)
 
 
-def agree(target: str, seeds, max_ops: int = 200, no_junction: bool = False, progress=None) -> Agreement:
+def agree(
+    target: str, seeds, max_ops: int = 200, no_junction: bool = False, progress=None, block_hits: bool = False
+) -> Agreement:
     """Walk ``seeds`` on both sides until the first disagreement. A configuration the target
     refuses (ConfigError from its factory) is counted, not compared."""
     result = Agreement()
     for seed in seeds:
         try:
-            steps, disagreement = agree_walk(seed, target, max_ops, no_junction)
+            steps, disagreement = agree_walk(seed, target, max_ops, no_junction, block_hits)
         except ConfigError as e:
             result = attrs.evolve(result, refused=result.refused + 1, first_refusal=result.first_refusal or str(e))
             continue

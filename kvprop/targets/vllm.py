@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import logging
 import os
@@ -132,6 +133,28 @@ def make_target(config: AllocatorConfig):
 
 
 # ---- configuration --------------------------------------------------------------------
+
+
+@functools.cache
+def partial_hits_refusal() -> str | None:
+    """Why this release cannot run hits inside a block as kvprop models them, or None. They
+    exist from 0.30.0 (``HybridKVCacheCoordinator.enable_partial_hash_hits``;
+    ``BlockPool.cache_partial_block`` exists from 0.24.0 with no caller), and kvprop's checks
+    follow 0.33.0's rules: the state group keys the prompt's last unit boundary below its
+    last token (``get_mamba_prefill_checkpoint_position``), where 0.30.0 keys the last one at
+    or below its length. The release's source is read as text, once."""
+    from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    if "enable_partial_hash_hits" not in inspect.getsource(HybridKVCacheCoordinator):
+        return "it has no hits inside a block (prefix_match_unit, 0.30.0 on)"
+    tail = inspect.getsource(MambaManager._cache_partial_tail_block)
+    if "latest_prompt_hash_boundary = get_mamba_prefill_checkpoint_position" not in tail:
+        return (
+            "its hits inside a block follow other rules than the 0.33.0 ones kvprop models (its state "
+            "group keys the prompt's last unit boundary at or below the prompt's length)"
+        )
+    return None
 
 
 def _accepted(fn) -> dict:
@@ -290,9 +313,10 @@ class VllmAllocator:
             for name in ("scheduler_block_size", "hash_block_size"):
                 if name not in params:
                     del wanted[name]
-        if config.partial_hits and not hasattr(v.kvu, "partial_hash_hits_enabled"):
+        why = partial_hits_refusal() if config.partial_hits else None
+        if why is not None:
             raise ConfigError(
-                f"target 'vllm': vLLM {v.version} has no hits inside a block (prefix_match_unit, 0.30.0 on); "
+                f"target 'vllm': vLLM {v.version} takes no hash_unit below the block size here: {why}; "
                 f"hash_unit must be None or the block size, got {config.hash_unit}"
             )
         missing = [

@@ -80,6 +80,10 @@ class SchedulerEngine(OffloadWorker, Engine):
         allocator.caller_contract = {}  # malformed calls go to the manager, never through this scheduler
         super().__init__(config, allocator, VllmView(allocator), device=device, hooks=hooks)
         self.tells_steps = False  # schedule() tells the manager itself
+        # vLLM promises to finish any request up to max_model_len, and sizes that from the tables
+        # alone (check_enough_kv_cache_memory): the copies a hit inside a block takes are not
+        # its caller's to reserve (README, the scheduler target's finds)
+        self.copies = 0
         self.connector = None  # vLLM's own connector is in charge; kvprop plays its worker side
         self._init_transfers()
         self.worker: dict[str, list[list[int]]] = {}  # request id -> the block ids the worker holds, per group

@@ -27,6 +27,7 @@ from kvprop.targets.vllm import (
     _import_vllm,
     _retention_setting,
     importing_vllm,
+    partial_hits_refusal,
     vllm_specs,
 )
 
@@ -226,10 +227,12 @@ def build_scheduler(config: EngineConfig):
         units = {}
         if alloc.partial_hits:
             # what the engine passes from prefix_match_unit (resolve_kv_cache_block_sizes, 0.30.0 on)
-            if "hash_block_size" not in inspect.signature(s.Scheduler).parameters:
+            why = partial_hits_refusal()
+            if why is not None or "hash_block_size" not in inspect.signature(s.Scheduler).parameters:
                 raise ConfigError(
-                    f"target 'vllm-scheduler': vLLM {v.version}'s scheduler has no hits inside a block; "
-                    f"hash_unit must be None or the block size, got {alloc.hash_unit}"
+                    f"target 'vllm-scheduler': vLLM {v.version} takes no hash_unit below the block size here: "
+                    f"{why or 'its scheduler has no hash_block_size'}; hash_unit must be None or the block size, "
+                    f"got {alloc.hash_unit}"
                 )
             units["hash_block_size"] = alloc.unit
         with _environment(retention.get("env", {})):
