@@ -125,12 +125,9 @@ class KVCacheManager:
                 f"{total} ({request.num_computed_tokens} computed + {num_hit} hit + {num_external} external + "
                 f"{num_new_tokens} new)"
             )
-        scale = self.block_size // self.config.unit
         for g, group_hits in enumerate(hits or ()):
             for i, block in enumerate(group_hits):
-                # the keys of the prefixes ending inside block i (its own, or a hash unit's in it)
-                own = {(h, g) for h in request.unit_hashes[i * scale : (i + 1) * scale]}
-                if not block.is_null and not own.intersection(self.pool.keys_of(block)):
+                if not block.is_null and not request.keys_in_block(i, g).intersection(self.pool.keys_of(block)):
                     raise RequestError(
                         f"allocate_slots: hit block {block.block_id} (group {g}, index {i}) is not "
                         f"{request.request_id!r}'s own cached block (cached as {block.key}); stale or foreign hits"

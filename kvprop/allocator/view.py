@@ -44,15 +44,9 @@ class AllocatorView:
     def map_holds(self, key, block_id: int) -> bool:
         return block_id in self.pool.cached.get(key, ())
 
-    def pending_copy_refs(self) -> dict:
-        """Block id -> references held for block copies queued and not yet taken by the
-        scheduler (each copy holds its source and its destination once)."""
-        refs: dict = {}
-        for manager in self.managers:
-            for pair in manager.pending_copies:
-                for block in pair:
-                    refs[block.block_id] = refs.get(block.block_id, 0) + 1
-        return refs
+    def pending_copies(self) -> list[tuple[int, int]]:
+        """(source id, copy id) of every block copy queued and not yet taken by the scheduler."""
+        return [(s.block_id, c.block_id) for manager in self.managers for s, c in manager.pending_copies]
 
     @property
     def num_free_blocks(self) -> int:

@@ -38,10 +38,11 @@ def further_keys(view, block_id: int) -> list:
     return report(block_id) if report is not None else []
 
 
-def pending_copy_refs(view) -> dict:
-    """Block id -> references held for queued block copies; {} for a view without copies."""
-    report = getattr(view, "pending_copy_refs", None)
-    return report() if report is not None else {}
+def pending_copy_refs(view) -> Counter:
+    """Block id -> references held for queued block copies (each holds its source and its copy
+    once); empty for a view without copies."""
+    report = getattr(view, "pending_copies", None)
+    return Counter(block_id for pair in report() for block_id in pair) if report is not None else Counter()
 
 
 # ---- per-block sentences, shared by the full sweep and the incremental checker -----------

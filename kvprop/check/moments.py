@@ -27,14 +27,12 @@ def foreign_hits(view, request, hits) -> bool:
     """Whether some real block of ``hits`` is not ``request``'s own cached block at its index: cached
     under none of the keys of the request's prefixes that end inside it (the block's own, or a
     hash unit's when hits may end inside a block)."""
-    units, scale = request.unit_hashes, request.block_size // request.unit
     for g, group_hits in enumerate(hits):
         for i, block in enumerate(group_hits):
             if block.block_id == view.null_block_id:
                 continue
-            own = {own_cache_key(h, g) for h in units[i * scale : (i + 1) * scale]}
             keys = [view.cache_key(block.block_id), *further_keys(view, block.block_id)]
-            if not own.intersection(keys):
+            if not request.keys_in_block(i, g).intersection(keys):
                 return True
     return False
 

@@ -109,7 +109,7 @@ class Engine:
         self.tells_steps = hasattr(allocator, "new_step_starts")  # an optional facade call (docs/targets.md)
         self.copies_blocks = hasattr(allocator, "take_kv_cache_block_copies")  # optional too
         # blocks a request's copies of shared blocks may take beyond its tables (max_blocks_needed)
-        self.copies = len(self.specs) if config.allocator.partial_hits else 0
+        self.copy_reserve = len(self.specs) if config.allocator.partial_hits else 0
         self.block_size = config.allocator.block_size
         self.memory = PagedMemory(config.allocator.num_blocks, self.block_size, device)
         self.hooks = hooks or Hooks()
@@ -145,7 +145,7 @@ class Engine:
         group, after keying its own running block). Without that copy in the pool a preempted
         request whose hit ends inside a block could never be admitted again."""
         scratch = sum(getattr(spec, "speculative_blocks", 0) for spec in self.specs)
-        return len(self.specs) * cdiv(num_tokens + self.config.lookahead, self.block_size) + scratch + self.copies
+        return len(self.specs) * cdiv(num_tokens + self.config.lookahead, self.block_size) + scratch + self.copy_reserve
 
     def add_request(self, prompt, max_new_tokens: int) -> Request:
         prompt = list(prompt)

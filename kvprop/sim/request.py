@@ -123,6 +123,13 @@ class Request:
         if n % self.unit == 0:
             self._close_unit(n)
 
+    def keys_in_block(self, index: int, group: int) -> set:
+        """The cache keys of this request's prefixes that end inside block ``index`` of ``group``:
+        the block's own, and, with a hash unit below the block, each unit boundary's inside it.
+        A hit on that block is this request's own if the block carries one of them."""
+        scale = self.block_size // self.unit
+        return {(h, group) for h in self.unit_hashes[index * scale : (index + 1) * scale]}
+
     def next_token(self) -> int:
         """The token decoding produces next: a function of the prefix alone."""
         return (self.prefix[-1] >> 17) % self.vocab

@@ -605,14 +605,10 @@ class VllmView:
             return any(k == key and b == block_id for k, b in self.cache_map_items())
         return self._map_has(vllm_key, block_id)
 
-    def pending_copy_refs(self) -> dict:
-        """Block id -> references held for vLLM's queued block copies (0.30.0 on)."""
-        refs: dict = {}
-        for manager in self.managers:
-            for pair in getattr(manager, "_pending_cow_copies", ()):
-                for block in pair:
-                    refs[block.block_id] = refs.get(block.block_id, 0) + 1
-        return refs
+    def pending_copies(self) -> list[tuple[int, int]]:
+        """(source id, copy id) of vLLM's queued block copies (0.30.0 on)."""
+        pairs = (pair for manager in self.managers for pair in getattr(manager, "_pending_cow_copies", ()))
+        return [(s.block_id, c.block_id) for s, c in pairs]
 
     @property
     def num_free_blocks(self) -> int:

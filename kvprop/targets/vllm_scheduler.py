@@ -83,7 +83,7 @@ class SchedulerEngine(OffloadWorker, Engine):
         # vLLM promises to finish any request up to max_model_len, and sizes that from the tables
         # alone (check_enough_kv_cache_memory): the copies a hit inside a block takes are not
         # its caller's to reserve (README, the scheduler target's finds)
-        self.copies = 0
+        self.copy_reserve = 0
         self.connector = None  # vLLM's own connector is in charge; kvprop plays its worker side
         self._init_transfers()
         self.worker: dict[str, list[list[int]]] = {}  # request id -> the block ids the worker holds, per group
