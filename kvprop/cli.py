@@ -192,6 +192,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="hits end on block boundaries (no hash unit): for vLLM 0.30.0, whose hits inside a block "
         "follow other rules than the 0.33.0 kvprop models",
     )
+    ag.add_argument(
+        "--no-checkpoints",
+        action="store_true",
+        help="state groups save no prefill checkpoints: for vLLM before 0.33.0, whose checkpoints follow "
+        "other rules or do not exist",
+    )
+    ag.add_argument(
+        "--reference-variant",
+        default=None,
+        metavar="NAME",
+        help="run kvprop's allocator as this variant: a release's known bug kvprop fixes (vLLM 0.33.0: "
+        "checkpoint-over-running-state), so that everything else can still be compared",
+    )
     ag.add_argument("--json", action="store_true", help="print one JSON object")
 
     bench = command("bench", c.cmd_bench, "throughput, scaling and time-to-find tables")

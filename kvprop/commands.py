@@ -412,10 +412,19 @@ def cmd_agree(args) -> int:
 
     if args.target == "kvprop":
         raise ConfigError("agree compares kvprop's allocator with another target: give --target vllm or pkg.mod:f")
+    _check_allocator(args.reference_variant, None)  # an unknown name is refused before anything runs
     _check_allocator(None, args.target)
     _say(args, f"kvprop {__version__} agree: kvprop vs {args.target}, walks {args.seed}..{args.seed + args.walks - 1}")
     seeds = range(args.seed, args.seed + args.walks)
-    result = agree(args.target, seeds, max_ops=args.max_ops, no_junction=args.no_junction, block_hits=args.block_hits)
+    result = agree(
+        args.target,
+        seeds,
+        max_ops=args.max_ops,
+        no_junction=args.no_junction,
+        block_hits=args.block_hits,
+        reference_variant=args.reference_variant,
+        no_checkpoints=args.no_checkpoints,
+    )
     if result.walks == 0:
         raise ConfigError(
             f"target {args.target!r} refused all {result.refused} configurations, nothing compared; "
@@ -433,6 +442,8 @@ def cmd_agree(args) -> int:
             f"reproduce: kvprop agree --target {args.target} --seed {d.seed} --walks 1"
             + (" --no-junction" if args.no_junction else "")
             + (" --block-hits" if args.block_hits else "")
+            + (" --no-checkpoints" if args.no_checkpoints else "")
+            + (f" --reference-variant {args.reference_variant}" if args.reference_variant else "")
         )
     return EXIT_CLEAN if d is None else EXIT_FOUND
 

@@ -127,3 +127,41 @@ def readback_mismatches(mgr, requests) -> list[tuple]:
         # deterministically (one scatter with repeated slots has no defined winner).
         memory.write([slot], [value])
     return [origin[i] for i in memory.mismatches(slots, values)]
+
+
+def checkpoint_find(name: str, target=None) -> Trace:
+    """The minimised traces of vLLM 0.33.0's two prefill-checkpoint finds (README, finds)."""
+    from kvprop.search import trace as tr
+
+    mamba = {"kind": "mamba", "mode": "align", "checkpoint": 1}
+    config = {"enable_caching": True, "lookahead": 0, "connector": "off", "vocab": 4}
+    if name == "over-running-state":
+        # with retention 0 the chunk [16, 32) of a 39-token prompt reserves no checkpoint
+        # column, the allocation moves the draft's scratch block from column 2 to the new
+        # running state, column 3, and the worker, whose table still holds it at column 2,
+        # writes the checkpoint there too
+        config |= {
+            "groups": [{**mamba, "block_size": 8, "speculative_blocks": 1}],
+            "num_blocks": 7,
+            "retention_interval": 0,
+            "token_budget": 16,
+            "speculative_tokens": 1,
+        }
+        steps = [{"op": "AddLargeRequest", "parent": 0, "seed": 0}, add_op(0, 9, 1, 1)]
+    else:  # "past-block"
+        # r1 hits r0's state at 1 token, inside block 0, and gets a copy of that block; its
+        # final chunk [1, 8) saves the prompt's checkpoint, so vLLM's scheduler lets it run past
+        # the block boundary at 3, and the copy, still holding the state after 1 token, is
+        # cached under the key of 3 tokens
+        config |= {
+            "groups": [{"kind": "full", "block_size": 3}, {**mamba, "block_size": 3, "speculative_blocks": 0}],
+            "num_blocks": 9,
+            "hash_unit": 1,
+            "token_budget": 7,
+        }
+        steps = [add_op(0, 0, 2, 1), {"op": "AddLargeRequest", "parent": 0, "seed": 0}]
+    return tr.from_dict({"format": "kvprop-trace/1", "target": target, "config": config, "steps": steps, "drain": True})
+
+
+def add_op(parent, cut, extra, max_new_tokens) -> dict:
+    return {"op": "AddRequest", "parent": parent, "cut": cut, "extra": extra, "seed": 0, "max_new_tokens": max_new_tokens}

@@ -20,8 +20,21 @@ from kvprop.targets.variants import VARIANTS
 BUDGET = 1000  # examples; each variant is found well inside it (at most 270 at seed 3)
 MAX_SHRUNK = 12  # rule steps a find minimises to, at most
 
+# The two variants that are vLLM 0.33.0's prefill-checkpoint rules need a state group with
+# checkpoints, a hash unit or drafts, and a prompt of several chunks: the state machine finds
+# them past CI's budget (`kvprop fuzz --driver hypothesis --fresh --workers 1`, examples until
+# the find). The walker finds them below, within CI's time; `kvprop bugs` tabulates both drivers.
+BEYOND_BUDGET = {
+    "checkpoint-over-running-state": "seed 3: 1,504; seed 1: 873; seed 0: none in 2,000",
+    "checkpoint-chunk-past-block": "seed 3: 1,150; seed 1: 389; seed 0: 1,775",
+}
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+
+def test_the_variants_beyond_the_budget_exist():
+    assert set(BEYOND_BUDGET) <= set(VARIANTS)
+
+
+@pytest.mark.parametrize("variant", sorted(set(VARIANTS) - set(BEYOND_BUDGET)))
 def test_machine_finds_variant_from_scratch(variant, record_property):
     result = fuzz.search(
         fuzz.FuzzOptions(seconds=900, seed=3, driver="hypothesis", variant=variant, fresh=True, max_runs=BUDGET)
@@ -58,8 +71,11 @@ CAUGHT_WITHOUT_GUARDS = {
     "state-retired-early": "null-in-attended-range",
     "cache-past-computed": "data-mismatch",
     "draft-slots-returned": "table-rewritten",
-    "partial-hit-shared": "cached-count",
+    "partial-hit-shared": "cached-block-lost-hash",
     "state-key-not-moved": "data-mismatch",
+    "checkpoint-over-running-state": "data-mismatch",
+    "checkpoint-keyed-late": "cached-block-lost-hash",
+    "checkpoint-chunk-past-block": "data-mismatch",
 }
 
 

@@ -14,6 +14,7 @@ import pytest
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 vllm = pytest.importorskip("vllm")
 
+from helpers import checkpoint_find  # noqa: E402
 from packaging.version import Version  # noqa: E402
 
 from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow  # noqa: E402
@@ -85,6 +86,8 @@ def known_kinds() -> set:
     kinds |= {"liveness", "connector-handoff", "null-in-attended-range", "state-source-mismatch"}
     if (0, 24) <= RELEASE < (0, 30):
         kinds.add("data-mismatch")  # the deepest group's hit taken for all groups
+    if RELEASE >= (0, 33):
+        kinds.add("data-mismatch")  # the two prefill-checkpoint finds
     return kinds
 
 
@@ -375,6 +378,16 @@ def test_the_cross_group_bug_reaches_vllms_offloading_connector_before_the_fix()
 
 def test_a_one_token_prompt_is_loaded_again_and_again():
     assert outcome(ONE_TOKEN_RELOAD) == "connector-handoff"
+
+
+@pytest.mark.skipif(RELEASE < (0, 33), reason="prefill checkpoints follow 0.33.0's rules from 0.33.0 only")
+def test_a_checkpoint_overwrites_the_running_state_in_0_33():
+    assert outcome(checkpoint_find("over-running-state", "vllm-scheduler")) == "data-mismatch"
+
+
+@pytest.mark.skipif(RELEASE < (0, 33), reason="prefill checkpoints follow 0.33.0's rules from 0.33.0 only")
+def test_a_checkpoint_chunk_runs_past_the_block_its_hit_ends_inside_in_0_33():
+    assert outcome(checkpoint_find("past-block", "vllm-scheduler")) == "data-mismatch"
 
 
 def test_a_load_reserves_a_speculative_step_the_pool_cannot_spare_from_0_33():

@@ -21,11 +21,18 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 vllm = pytest.importorskip("vllm")
 
 import attrs  # noqa: E402
+from helpers import checkpoint_find  # noqa: E402
 from hypothesis import Phase, settings  # noqa: E402
 from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
 from packaging.version import Version  # noqa: E402
 
-from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow  # noqa: E402
+from kvprop.allocator.specs import (  # noqa: E402
+    AllocatorConfig,
+    EngineConfig,
+    FullAttention,
+    SlidingWindow,
+    without_checkpoints,
+)
 from kvprop.check import invariants as inv  # noqa: E402
 from kvprop.errors import ConfigError, Violation  # noqa: E402
 from kvprop.repro.minimise import minimise  # noqa: E402
@@ -34,7 +41,7 @@ from kvprop.search import trace as tr  # noqa: E402
 from kvprop.search.agree import agree  # noqa: E402
 from kvprop.search.execute import execute  # noqa: E402
 from kvprop.search.machine import failure_trace, machine_for  # noqa: E402
-from kvprop.search.walk import run_walk  # noqa: E402
+from kvprop.search.walk import plan, run_walk  # noqa: E402
 from kvprop.sim.request import Request  # noqa: E402
 from kvprop.targets import build_engine  # noqa: E402
 from kvprop.targets.vllm import make_target  # noqa: E402
@@ -288,9 +295,22 @@ def test_walker_finds_shrinks_and_replays_the_bug():
 @needs_fix
 @pytest.mark.slow
 def test_walker_is_clean_on_the_fixed_release():
+    """Without prefill checkpoints: 0.33.0's checkpoint bug is pinned below."""
     for seed in range(300):
-        result = run_walk(seed, target="vllm")
-        assert result.failure is None, (seed, result.failure)
+        trace = plan(seed)
+        try:
+            failure = execute(attrs.evolve(trace, config=without_checkpoints(trace.config)), target="vllm")
+        except ConfigError:
+            continue  # a shape this release's target refuses
+        assert failure is None, (seed, failure)
+
+
+@pytest.mark.skipif(RELEASE < (0, 33), reason="prefill checkpoints follow 0.33.0's rules from 0.33.0 only")
+def test_a_checkpoint_overwrites_the_running_state_in_0_33():
+    """README, finds: the manager reserves no column before the prefill's end and moves the
+    scratch block the worker then writes the checkpoint into to the running state."""
+    trace = checkpoint_find("over-running-state")
+    assert [getattr(execute(trace, target=t), "kind", None) for t in ("vllm", None)] == ["data-mismatch", None]
 
 
 # ---- retention and step-for-step agreement with kvprop's model -------------------------------
@@ -313,5 +333,13 @@ def test_kvprop_and_vllm_agree_step_for_step():
     and free count after every operation (retention, junctions, windows and hits inside a block
     included; before 0.30.0 vLLM has no junction, so its walks run without retention and state
     groups; 0.30.0's hits inside a block follow other rules, so its walks end hits on blocks)."""
-    result = agree("vllm", range(40), no_junction=RELEASE < (0, 30), block_hits=RELEASE[:2] == (0, 30))
+    result = agree(
+        "vllm",
+        range(40),
+        no_junction=RELEASE < (0, 30),
+        block_hits=RELEASE[:2] == (0, 30),
+        no_checkpoints=RELEASE < (0, 33),
+        # 0.33.0's checkpoint rule that kvprop fixes (README, finds)
+        reference_variant="checkpoint-over-running-state" if RELEASE >= (0, 33) else None,
+    )
     assert (result.disagreement, result.walks) == (None, 40)

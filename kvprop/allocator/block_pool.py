@@ -149,10 +149,16 @@ class BlockPool:
         return out
 
     def _evict(self, block: Block) -> None:
+        if self.drop_keys(block):
+            self.num_evictions += 1
+
+    def drop_keys(self, block: Block) -> bool:
+        """Uncache ``block``, announcing each key it loses; False if it had none (vLLM's
+        ``_maybe_evict_cached_block``)."""
         if block.key is None:
-            return
+            return False
         self._announce_removed(self._remove_keys(block))
-        self.num_evictions += 1
+        return True
 
     def keys_of(self, block: Block) -> list[CacheKey]:
         """Every key ``block`` is cached under, its first key first."""

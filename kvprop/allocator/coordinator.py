@@ -79,8 +79,20 @@ class KVCacheCoordinator:
         return num_tokens_main_model
 
     def count_blocks_to_allocate(
-        self, request_id, num_tokens, hits, total_computed_tokens, num_tokens_main_model=None, num_local=0
+        self,
+        request_id,
+        num_tokens,
+        hits,
+        total_computed_tokens,
+        num_tokens_main_model=None,
+        num_local=0,
+        prefill_end=0,
     ):
+        """``prefill_end``: where the request's prefill ends. Only retention interval 0 keeps it:
+        a state group then saves a prefill checkpoint only in the chunk reaching it; otherwise
+        every chunk that can save one does (vLLM 0.33.0's ``get_num_blocks_to_allocate``)."""
+        if self.config.retention_interval != 0:
+            prefill_end = 0
         return sum(
             m.count_blocks_to_allocate(
                 request_id,
@@ -88,6 +100,7 @@ class KVCacheCoordinator:
                 hits[g],
                 total_computed_tokens,
                 num_local,
+                prefill_end=prefill_end,
             )
             for g, m in enumerate(self.managers)
         )

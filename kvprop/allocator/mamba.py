@@ -20,20 +20,31 @@ end at any hash-unit boundary: the prompt's last boundary below its last token i
 the running block that holds it, a request hitting there gets a copy of that block, and the
 request that keyed it, still writing the block, moves the key onto a copy of it instead.
 
-Not modelled (docs/design.md §8.1): prefill checkpoint columns. In "none" mode (no prefix
-caching) nothing is cached and the table keeps only the running state, like a one-token window.
+With prefill checkpoints (``Mamba.checkpoint``; kvprop.allocator.checkpoint) a chunk may also
+save the state at a unit boundary inside it into the column before the new running state: the
+manager reserves a block there instead of the null block, and once the chunk is cached keys it
+at that boundary, dropping the block key regular caching gave it; a checkpoint no later
+request can resume at loses its keys at once.
+
+In "none" mode (no prefix caching) nothing is cached and the table keeps only the running
+state, like a one-token window.
 """
 
 from __future__ import annotations
 
 from kvprop.allocator import guards
 from kvprop.allocator.block_pool import Block
+from kvprop.allocator.checkpoint import checkpoint_column, checkpoint_position, chunk_checkpoint
 from kvprop.allocator.managers import SingleTypeManager
 from kvprop.allocator.retention import kept_state_mask, resume_boundaries
 from kvprop.allocator.specs import cdiv
 
 
 class MambaManager(SingleTypeManager):
+    # Whether a chunk before the prefill's end keeps a scratch column the worker writes its
+    # checkpoint into in place (``_plan_checkpoint``); False is vLLM 0.33.0's rule.
+    guard_scratch_checkpoint = True
+
     def __init__(self, spec, pool, group_id, enable_caching, retention_interval=None):
         super().__init__(spec, pool, group_id, enable_caching, retention_interval)
         self.align = spec.mode == "align"
@@ -45,6 +56,8 @@ class MambaManager(SingleTypeManager):
         self.num_retired: dict[str, int] = {}  # entries below this index were released already
         self.allocated: set[str] = set()  # requests past their first allocation (vLLM's _allocated_block_reqs)
         self.cached_this_step: set = set()  # keys whose state this step's forward pass computes
+        self.checkpoint = spec.checkpoint if self.align else None  # the kernel's checkpoint alignment
+        self.checkpoints: dict[str, tuple[int, int]] = {}  # the allocation's checkpoint: (position, column)
 
     def new_step_starts(self) -> None:
         self.cached_this_step.clear()
@@ -90,7 +103,9 @@ class MambaManager(SingleTypeManager):
                 self.pool.free_blocks([blocks[previous]])
                 blocks[previous] = self.null_block
 
-    def count_blocks_to_allocate(self, request_id, num_tokens, hits, total_computed_tokens, num_local=0) -> int:
+    def count_blocks_to_allocate(
+        self, request_id, num_tokens, hits, total_computed_tokens, num_local=0, prefill_end=0
+    ) -> int:
         if not self.align:
             return super().count_blocks_to_allocate(request_id, num_tokens, hits, total_computed_tokens, num_local)
         if hits and hits[-1].key in self.cached_this_step:
@@ -101,9 +116,38 @@ class MambaManager(SingleTypeManager):
         evictable = sum(1 for b in hits if b.ref_cnt == 0 and not b.is_null)
         # a copy of a shared state block: the hit's, or the one this request keyed inside a block
         copy = int(self._partial_local_hit(hits, num_local) or request_id in self.partial_hit)
-        # the next running state, the copy, and the scratch columns on a first allocation
-        cap = 1 + copy + (0 if request_id in self.allocated else self.num_speculative)
+        checkpoint = self._plan_checkpoint(request_id, total_computed_tokens, num_tokens, prefill_end)
+        # the next running state, the copy, the checkpoint, and the scratch columns on a first allocation
+        cap = 1 + copy + checkpoint + (0 if request_id in self.allocated else self.num_speculative)
         return min(max(new, 0) + copy, cap) + evictable
+
+    def _plan_checkpoint(self, request_id: str, start: int, end: int, prefill_end: int) -> int:
+        """1 if the chunk [start, end) saves a checkpoint into a column this allocation reserves
+        (recorded for ``allocate_new_blocks`` and ``cache_blocks``), else 0. The column must be
+        free: past the table, null, or a scratch column of the request (vLLM 0.33.0's
+        ``_needs_internal_checkpoint``).
+
+        Before ``prefill_end`` (retention interval 0) no checkpoint is kept, so vLLM 0.33.0
+        reserves none and the worker writes it into whatever its table holds there: the null
+        block, or a scratch column the manager has just moved to the new running state (the
+        worker's table only grows), whose state the checkpoint then overwrites. kvprop keeps a
+        scratch column there in place as if it held a checkpoint; the variant
+        ``checkpoint-over-running-state`` is vLLM's rule (README, finds)."""
+        self.checkpoints.pop(request_id, None)
+        if self.checkpoint is None:
+            return 0
+        position = chunk_checkpoint(start, end, self.unit, self.block_size, self.checkpoint)
+        if not position:
+            return 0
+        column = checkpoint_column(end, self.block_size)  # >= 0 when the chunk saves a checkpoint
+        table = self.req_to_blocks.get(request_id, ())
+        scratch = request_id in self.allocated and len(table) - self.num_speculative <= column < len(table)
+        if end < prefill_end and not (scratch and self.guard_scratch_checkpoint):
+            return 0
+        if not (column >= len(table) or table[column].is_null or scratch):
+            return 0
+        self.checkpoints[request_id] = (position, column)
+        return 1
 
     def _required(self, num_tokens: int) -> int:
         """Entries a table needs: through the running state after ``num_tokens``, then one scratch
@@ -118,17 +162,20 @@ class MambaManager(SingleTypeManager):
         allocated = request_id in self.allocated
         self.allocated.add(request_id)
         partial = self.partial_hit.pop(request_id, None)
-        if required <= len(table) and partial is None:
+        checkpoint = int(request_id in self.checkpoints)
+        if required <= len(table) and partial is None and not checkpoint:
             return []
         before = len(table)
         if before:  # the running state (on a first allocation, the hit) becomes the previous one
             self.last_state_index[request_id] = before - 1 - (k if allocated else 0)
         running = required - k - 1
-        table.extend([self.null_block] * (running - before))
+        # the checkpoint column, just before the running state, gets a block, not the null block
+        table.extend([self.null_block] * (running - checkpoint - before))
         if allocated:
             # scratch columns the new running state passes are moved to the end, not released:
-            # one of them may hold the state the step continues from
-            for index in range(before - k, min(before, running)):
+            # one of them may hold the state the step continues from (one in the checkpoint
+            # column stays: the checkpoint is written there)
+            for index in range(before - k, min(before, running - checkpoint)):
                 self._relocate(table, index)
         new = self.pool.get_new_blocks(max(required - len(table), 0) + (partial is not None))
         copies = []
@@ -170,10 +217,14 @@ class MambaManager(SingleTypeManager):
         before = self.num_cached_block.get(request.request_id, 0)
         super().cache_blocks(request, num_tokens)
         after = self.num_cached_block.get(request.request_id, 0)
-        if self.align and self.unit < self.block_size:
+        if request.request_id in self.checkpoints:
+            key = self._cache_checkpoint(request)
+        elif self.align and self.unit < self.block_size:
             key = self._cache_partial_tail(request, num_tokens)
-            if key is not None:
-                self.cached_this_step.add(key)
+        else:
+            key = None
+        if key is not None:
+            self.cached_this_step.add(key)
         table = self.req_to_blocks.get(request.request_id, ())
         for block in table[before:after]:
             if block.key is not None and not block.is_null:
@@ -199,7 +250,30 @@ class MambaManager(SingleTypeManager):
             self.num_cached_block[request.request_id] = index
         return key
 
+    def _cache_checkpoint(self, request):
+        """Key the checkpoint column at the checkpoint, replacing every key it has (regular
+        caching may have keyed the column at its block's end, a state it does not hold), if a
+        later request can resume there: the prompt's checkpoint, a block boundary retention
+        keeps, or the junction. Any other checkpoint is transient and loses its keys (vLLM
+        0.33.0's ``_cache_partial_tail_block``, checkpoint branch)."""
+        position, column = self.checkpoints[request.request_id]
+        block = self.req_to_blocks[request.request_id][column]
+        if block.is_null:
+            return None
+        u, bs = self.unit, self.block_size
+        resumable = position == checkpoint_position(request.num_prompt_tokens, u)
+        if position % bs == 0:
+            kept = kept_state_mask(self.spec, self.retention_interval, (), position // bs - 1, position // bs)
+            resumable = resumable or kept is None or kept[0]
+        if not resumable and position != request.shared_prefix_boundary:
+            self.pool.drop_keys(block)
+            return None
+        if block.key_tokens == position:
+            return None
+        return self.pool.cache_partial(block, request.unit_hashes[position // u - 1], self.group_id, position, True)
+
     def free(self, request_id: str) -> None:
+        self.checkpoints.pop(request_id, None)
         for state in (self.last_state_index, self.num_retired):
             state.pop(request_id, None)
         self.allocated.discard(request_id)

@@ -77,10 +77,17 @@ class SingleTypeManager:
         self.pool.free_blocks(freed)
 
     def count_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, hits: list[Block], total_computed_tokens: int, num_local: int = 0
+        self,
+        request_id: str,
+        num_tokens: int,
+        hits: list[Block],
+        total_computed_tokens: int,
+        num_local: int = 0,
+        prefill_end: int = 0,
     ) -> int:
         """Free-queue blocks this allocation consumes: new pops plus hits still in the queue,
-        plus the copy of a shared tail block when the hit ends inside it."""
+        plus the copy of a shared tail block when the hit ends inside it. ``prefill_end`` matters
+        to state groups only (their prefill checkpoints)."""
         required = cdiv(num_tokens, self.block_size)
         table = self.req_to_blocks.get(request_id)
         if request_id in self.num_cached_block:

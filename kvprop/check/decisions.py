@@ -12,6 +12,7 @@ freed first). Between the two bounds either answer is the target's to choose.
 
 from __future__ import annotations
 
+from kvprop.allocator.checkpoint import chunk_checkpoint
 from kvprop.allocator.specs import ChunkedLocal, FullAttention, Mamba, SlidingWindow, cdiv
 from kvprop.errors import Violation
 
@@ -39,8 +40,9 @@ def capacity_bounds(
         table = tables[g]
         if isinstance(spec, Mamba) and spec.mode == "align":
             group_hits = hits[g] if hits is not None else ()
+            checkpoint = _possible_checkpoint(engine, request, spec, computed, main)
             need, frees = _state_group_need(
-                view, table, group_hits, main, computed, same_step_states, spec.speculative_blocks
+                view, table, group_hits, main, computed, same_step_states, spec.speculative_blocks, checkpoint
             )
             if engine.config.allocator.partial_hits:
                 # a copy of the shared state block: certain when the hit ends inside it; possible
@@ -80,20 +82,35 @@ def _copy_of_tail(hit_ids, num_local: int, bs: int) -> int:
     return int(bool(hit_ids) and num_local % bs != 0)
 
 
-def _state_group_need(view, table, hits, main: int, computed: int, same_step, k: int) -> tuple[tuple[int, int], int]:
+def _possible_checkpoint(engine, request, spec, computed: int, main: int) -> int:
+    """1 if the chunk [computed, main) may save a prefill checkpoint into a column of its own
+    (kvprop.allocator.checkpoint; whether the column is free is the allocator's to see), else 0."""
+    allocator = engine.config.allocator
+    prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+    if allocator.retention_interval == 0 and main < prefill_end:
+        return 0  # only the chunk reaching the prefill's end saves one
+    return int(chunk_checkpoint(computed, main, allocator.unit, spec.block_size, spec.checkpoint) > 0)
+
+
+def _state_group_need(
+    view, table, hits, main: int, computed: int, same_step, k: int, checkpoint: int = 0
+) -> tuple[tuple[int, int], int]:
     """((generous, conservative) blocks, blocks its retirement frees) for a state group in align
     mode with ``k`` scratch columns: at most one new block per allocation (the next running
-    state), ``k`` more on the first, plus a hit block still in the free queue; every real entry
-    below the running state is released first. A hit whose state the current step is still
-    computing may be refused whatever the pool holds (its conservative need is unbounded)."""
+    state), ``k`` more on the first, one more for a ``checkpoint`` column (conservative only:
+    whether the column is free is not seen here), plus a hit block still in the free queue;
+    every real entry below the running state is released first. A hit whose state the current
+    step is still computing may be refused whatever the pool holds (its conservative need is
+    unbounded)."""
     bs, null = view.block_size, view.null_block_id
     ids = [b.block_id for b in hits]
     have = len(table) if table is not None else len(ids)
-    grow = min(1 if table is not None else 1 + k, max(0, cdiv(main, bs) + k - have))
+    cap = 1 if table is not None else 1 + k
+    grow = min(cap, max(0, cdiv(main, bs) + k - have))
     evictable = sum(1 for b in ids if b != null and view.ref_cnt(b) == 0)
     running = cdiv(computed, bs) - 1
     frees = sum(1 for b in (table or ())[: max(running, 0)] if b != null and view.ref_cnt(b) == 1)
-    conservative = grow + evictable
+    conservative = min(cap + checkpoint, max(0, cdiv(main, bs) + k - have)) + evictable
     if ids and ids[-1] != null and view.cache_key(ids[-1]) in same_step:
         conservative = view.num_blocks + 1
     return (grow + evictable, conservative), frees

@@ -340,7 +340,8 @@ def cached_prefix_keys(rid, g: int, spec, interval, request, table, keys, num_ca
     """6. Every real block a table counts as cached carries the request's own hash there.
 
     Retention lets a block no served hit can use be counted as cached without a hash
-    (kvprop.check.retention); every other key is wrong. The first comparison only decides,
+    (kvprop.check.retention), and a state group's checkpoint column carries the key of the
+    checkpoint or none (``checkpoint_column_key``); every other key is wrong. The first comparison only decides,
     at C speed, that every key is its own (``own_cache_key``); the loop is the sentence."""
     prefix = table[:num_cached]
     if [keys[b] for b in prefix] == [None if b == null else (h, g) for b, h in zip(prefix, request.block_hashes)]:
@@ -351,7 +352,9 @@ def cached_prefix_keys(rid, g: int, spec, interval, request, table, keys, num_ca
             continue
         own = own_cache_key(block_hash, g)
         key = keys[block_id]
-        if key != own and not (key is None and retained is not None and i not in retained):
+        if key == own or checkpoint_column_key(spec, request, i, g, key):
+            continue
+        if not (key is None and retained is not None and i not in retained):
             why = "" if retained is None else " (retention keeps that index)"
             raise Violation(
                 "cached-block-lost-hash",
@@ -361,6 +364,20 @@ def cached_prefix_keys(rid, g: int, spec, interval, request, table, keys, num_ca
                 requests=[rid],
                 groups=[g],
             )
+
+
+def checkpoint_column_key(spec, request, index: int, group: int, key) -> bool:
+    """Whether ``key`` is one a state group's prefill-checkpoint column at ``index`` may have
+    (kvprop.allocator.checkpoint): counted as cached like its neighbours, the column holds the
+    state at a unit boundary in the next block and is keyed there, or, a checkpoint no later
+    request resumes at, has no key (vLLM 0.33.0's ``_cache_partial_tail_block``)."""
+    if getattr(spec, "checkpoint", None) is None:
+        return False
+    if key is None:
+        return True
+    unit, bs, hashes = request.unit, spec.block_size, request.unit_hashes
+    last = min((index + 2) * bs - 1, len(hashes) * unit)
+    return any(key == own_cache_key(hashes[c // unit - 1], group) for c in range((index + 1) * bs, last + 1, unit))
 
 
 def _needed_entries(spec, table, skipped_blocks: int, computed: int):

@@ -198,10 +198,11 @@ def state_write(engine, view, request, group: int, source, start: int, targets) 
     this request's own prefix (a state of another prefix, or one token ahead, is the wrong
     state: vLLM #51100), and writes each state into a block the request owns alone (or that
     already carries its own key for exactly that many tokens)."""
-    bs, null, rid = view.block_size, view.null_block_id, request.request_id
-    hashes = request.block_hashes
+    null, rid = view.null_block_id, request.request_id
+    hashes, unit = request.unit_hashes, engine.config.allocator.unit
     for target, index, end in targets:
-        own = own_cache_key(hashes[index], group) if end == (index + 1) * bs and index < len(hashes) else None
+        # the key of the state after ``end`` tokens (a block's end, or a checkpoint inside a block)
+        own = own_cache_key(hashes[end // unit - 1], group) if end % unit == 0 and end // unit <= len(hashes) else None
         if target == null or not writable(view, target, own):
             raise Violation(
                 "state-write-unowned",
@@ -213,7 +214,7 @@ def state_write(engine, view, request, group: int, source, start: int, targets) 
             )
     if start == 0:
         return
-    got = engine.memory.read([source * bs])[0] if source not in (None, null) else None
+    got = engine.memory.read([source * view.block_size])[0] if source not in (None, null) else None
     if got != state_fingerprint(group, start, request.prefix_at(start - 1)):
         raise Violation(
             "state-source-mismatch",

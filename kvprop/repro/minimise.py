@@ -210,6 +210,11 @@ def _simpler_configs(config):
         yield _with_allocator(config, groups=new_groups)
     if a.hash_unit is not None:  # hits end on block boundaries
         yield _with_allocator(config, hash_unit=None)
+    checkpoints = {g.checkpoint for g in groups if g.kind == "mamba"} - {None}
+    for simpler in (None, 1) if checkpoints - {1} else (None,) if checkpoints else ():
+        # no prefill checkpoints; else the finest kernel grid
+        new = tuple(attrs.evolve(g, checkpoint=simpler) if g.kind == "mamba" else g for g in groups)
+        yield _with_allocator(config, groups=new)
     if a.enable_kv_cache_events:
         yield _with_allocator(config, enable_kv_cache_events=False)
     if a.retention_interval is not None:  # dense caching has no rule of its own to read

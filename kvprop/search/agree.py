@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import attrs
 
-from kvprop.allocator.specs import FullAttention, Mamba
+from kvprop.allocator.specs import FullAttention, Mamba, without_checkpoints
 from kvprop.check.invariants import extra_keys
 from kvprop.errors import ConfigError
 from kvprop.search.harness import Harness
@@ -67,19 +67,33 @@ def _first_difference(a: dict, b: dict) -> tuple[str, str, str] | None:
     return None
 
 
-def agree_walk(seed: int, target: str, max_ops: int = 200, no_junction: bool = False, block_hits: bool = False):
+def agree_walk(
+    seed: int,
+    target: str,
+    max_ops: int = 200,
+    no_junction: bool = False,
+    block_hits: bool = False,
+    reference_variant: str | None = None,
+    no_checkpoints: bool = False,
+):
     """(steps run, the first disagreement) of walk ``seed`` between kvprop and ``target``
     (checks off on both sides: the invariants are not what is compared here). ``block_hits``:
     hits end on block boundaries (the hash unit dropped), for a release whose hits inside a
     block follow other rules than 0.33.0's, which kvprop models (0.30.0 keys the prompt's tail
-    at the last unit boundary at or below its length, 0.33.0 below its last token)."""
+    at the last unit boundary at or below its length, 0.33.0 below its last token).
+    ``reference_variant``: kvprop's allocator runs as that bug variant, the rule of a release
+    whose bug kvprop fixes, so that the rest is still compared. ``no_checkpoints``: state
+    groups save no prefill checkpoints, for a release whose checkpoints follow other rules
+    than 0.33.0's (0.30.0) or that has none."""
     trace = plan(seed, max_ops)
     if no_junction:
         trace = attrs.evolve(trace, config=_without_junction(trace.config))
     if block_hits:
         allocator = attrs.evolve(trace.config.allocator, hash_unit=None)
         trace = attrs.evolve(trace, config=attrs.evolve(trace.config, allocator=allocator))
-    reference = Harness(trace.config, checks=False)
+    if no_checkpoints:
+        trace = attrs.evolve(trace, config=without_checkpoints(trace.config))
+    reference = Harness(trace.config, variant=reference_variant, checks=False)
     other = Harness(trace.config, target=target, checks=False)
     steps = [op for op in trace.steps if type(op).__name__ != "Misuse"]
     for i, op in enumerate(steps):
@@ -101,14 +115,23 @@ def _without_junction(config):
 
 
 def agree(
-    target: str, seeds, max_ops: int = 200, no_junction: bool = False, progress=None, block_hits: bool = False
+    target: str,
+    seeds,
+    max_ops: int = 200,
+    no_junction: bool = False,
+    progress=None,
+    block_hits: bool = False,
+    reference_variant: str | None = None,
+    no_checkpoints: bool = False,
 ) -> Agreement:
     """Walk ``seeds`` on both sides until the first disagreement. A configuration the target
     refuses (ConfigError from its factory) is counted, not compared."""
     result = Agreement()
     for seed in seeds:
         try:
-            steps, disagreement = agree_walk(seed, target, max_ops, no_junction, block_hits)
+            steps, disagreement = agree_walk(
+                seed, target, max_ops, no_junction, block_hits, reference_variant, no_checkpoints
+            )
         except ConfigError as e:
             result = attrs.evolve(result, refused=result.refused + 1, first_refusal=result.first_refusal or str(e))
             continue

@@ -79,13 +79,19 @@ def sample_config(choose) -> EngineConfig:
         groups = [FullAttention(bs)] * max(1, len(groups) - 1) + [groups[-1]]
         hash_unit = choose.pick(tuple(u for u in range(1, bs) if bs % u == 0))
         num_blocks = max(num_blocks, 1 + 3 * len(groups))
+    retention, events = _retention(choose, groups, bs), choose.integer(0, 1) == 1
+    if state_group and enable_caching:
+        # Prefill checkpoints in three of four state groups that can save them, as production
+        # models have them: alignment 1 as mamba_mixer2 always declares, or a coarser kernel
+        # grid as GDN and KDA layers do.
+        groups[-1] = attrs.evolve(groups[-1], checkpoint=choose.pick((None, 1, 1, 4)))
     return EngineConfig(
         allocator=AllocatorConfig(
             tuple(groups),
             num_blocks,
             enable_caching,
-            retention_interval=_retention(choose, groups, bs),
-            enable_kv_cache_events=choose.integer(0, 1) == 1,
+            retention_interval=retention,
+            enable_kv_cache_events=events,
             hash_unit=hash_unit,
         ),
         token_budget=token_budget,

@@ -14,6 +14,7 @@ from collections import Counter, deque
 
 import attrs
 
+from kvprop.allocator.checkpoint import checkpoint_position, chunk_checkpoint, saves_checkpoint
 from kvprop.allocator.hashing import fingerprint, state_fingerprint
 from kvprop.allocator.specs import EngineConfig, Mamba, cdiv
 from kvprop.errors import RequestError, TargetCrash
@@ -98,6 +99,10 @@ class StepReport:
 
 
 class Engine:
+    # Whether a final chunk saving the prefill's checkpoint may run past the next block boundary
+    # when it starts inside a block (vLLM 0.33.0's scheduler; ``_chunk``). kvprop's never does.
+    checkpoint_skips_block_stop = False
+
     def __init__(self, config: EngineConfig, allocator, view, device: str | None = None, hooks: Hooks | None = None):
         self.config = config
         self.allocator = allocator
@@ -507,33 +512,52 @@ class Engine:
     def _chunk(self, request, start: int, num_tokens: int) -> int:
         """Tokens to compute from ``start``: ``num_tokens``, cut so that a prefill chunk of a state
         group in align mode ends where a state may be cached (vLLM 0.33.0's
-        ``Scheduler._mamba_block_aligned_split``, without drafts or checkpoint columns): a
+        ``Scheduler._mamba_block_aligned_split``, without EAGLE's drop): a
         non-final chunk ends on a block boundary (unless that leaves nothing and a block is wider
         than the step's budget), and no chunk runs past the next block boundary when it starts
         inside a block, past the last block boundary before the request's last token, past the
         prompt's last hash boundary when hits may end inside a block (where the state is keyed),
-        or past the junction. 0 means the request is not scheduled in this step."""
+        or past the junction; a final chunk that saves the prefill's checkpoint itself needs
+        neither of the two before the junction. 0 means the request is not scheduled in this
+        step.
+
+        vLLM 0.33.0 also lets such a chunk run past the next block boundary when it starts
+        inside a block, judged before the junction may cut the chunk: the block it starts in
+        (a hit's copy) or the chunk's end then holds a state that is not its block's, and is
+        cached as if it were (README, finds). kvprop's scheduler always stops there."""
         if not self.state_aligned:
             return num_tokens
         prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
         if start >= prefill_end:
             return num_tokens
         bs, end = self.block_size, start + num_tokens
+        internal = self._saves_prompt_checkpoint(start, end, prefill_end)
         if end < prefill_end:
             aligned = end // bs * bs
             if aligned > start or bs <= self.config.token_budget:
                 end = aligned
         junction = request.shared_prefix_boundary
-        last_cached = max(0, (request.num_tokens - 1) // bs * bs)
-        tail = self._prompt_tail(request)
+        last_cached = 0 if internal else max(0, (request.num_tokens - 1) // bs * bs)
+        tail = 0 if internal else self._prompt_tail(request)
         stops = (
-            (start // bs + 1) * bs if start % bs else 0,
+            (start // bs + 1) * bs if start % bs and not (internal and self.checkpoint_skips_block_stop) else 0,
             last_cached,
             tail if last_cached < tail < request.num_prompt_tokens else 0,
             start + (junction - start) // bs * bs if start < junction < end else 0,
         )
         end = min((s for s in stops if start < s < end), default=end)
         return max(end - start, 0)
+
+    def _saves_prompt_checkpoint(self, start: int, end: int, prefill_end: int) -> bool:
+        """Whether the final prefill chunk [start, end) saves the state at the prefill's
+        checkpoint itself (kvprop.allocator.checkpoint), so no stop is needed for it: vLLM's
+        scheduler asks this of the first state group, and only when every state group saves
+        checkpoints (kvprop requires them all alike)."""
+        state = [self.specs[g] for g in sorted(self.state_groups)]
+        alignment, unit = state[0].checkpoint, self.config.allocator.unit
+        return end >= prefill_end and saves_checkpoint(
+            start, end, checkpoint_position(prefill_end, unit), unit, self.block_size, alignment
+        )
 
     def _prompt_tail(self, request) -> int:
         """The prompt's last hash-unit boundary below its last token when hits may end inside a
@@ -618,13 +642,19 @@ class Engine:
         ``start``, the state after the last scheduled token into the running column
         ``cdiv(start + n, bs) - 1``; in a verification pass with d drafts, the states after the
         verified token and after each draft into that column and the d after it (vLLM's
-        mamba_utils; the scratch columns are the table's last ones)."""
+        mamba_utils; the scratch columns are the table's last ones); with prefill checkpoints,
+        the state at the chunk's checkpoint into the column before (kvprop.allocator.checkpoint)."""
         key, bs = (request.request_id, g), self.block_size
         worker = self.worker_tables.setdefault(key, [])
         worker.extend(table[len(worker) :])
         drafts = max(0, start + n - request.num_tokens)
         column = cdiv(start + n, bs) - 1
         targets = [(worker[column + j], column + j, start + n - drafts + j) for j in range(drafts + 1)]
+        position = chunk_checkpoint(start, start + n, self.config.allocator.unit, bs, self.specs[g].checkpoint)
+        if position and worker[column - 1] != self.view.null_block_id:
+            # the worker's own rule (compute_mamba_prefill_checkpoints): the state after
+            # ``position`` into the column before the running state; a null column has no row
+            targets.append((worker[column - 1], column - 1, position))
         self.hooks.before_state_write(self, request, g, self.state_block(request, g), start, targets)
         for block, index, after in targets:
             slots.append(block * bs)

@@ -147,8 +147,8 @@ def _mixed_managers(mixin: type) -> dict:
 class CapacityOvercount(SingleTypeManager):
     """Counts one block more than an admission needs, so an allocation that exactly fits is refused."""
 
-    def count_blocks_to_allocate(self, request_id, num_tokens, hits, total_computed_tokens, num_local=0):
-        needed = super().count_blocks_to_allocate(request_id, num_tokens, hits, total_computed_tokens, num_local)
+    def count_blocks_to_allocate(self, request_id, num_tokens, hits, total_computed, num_local=0, **kwargs):
+        needed = super().count_blocks_to_allocate(request_id, num_tokens, hits, total_computed, num_local, **kwargs)
         return needed if request_id in self.num_cached_block else needed + 1
 
 
@@ -269,6 +269,39 @@ class StateKeyNotMoved(MambaManager):
         return [copy]
 
 
+class CheckpointOverRunningState(MambaManager):
+    """vLLM 0.33.0's rule: with retention interval 0 a chunk before the prefill's end reserves no
+    checkpoint column, though the worker writes its checkpoint there; when that column is a
+    scratch block the allocation moves to the new running state, the checkpoint overwrites it."""
+
+    guard_scratch_checkpoint = False
+
+
+class CheckpointKeyedLate(MambaManager):
+    """Keys a checkpoint column one hash unit past its checkpoint: the state it holds is a unit
+    short of the one its key promises (a restored state off by one unit, vLLM #51100's kind)."""
+
+    def _cache_checkpoint(self, request):
+        rid = request.request_id
+        position, column = self.checkpoints[rid]
+        if position + self.unit > len(request.unit_hashes) * self.unit:
+            return super()._cache_checkpoint(request)
+        self.checkpoints[rid] = (position + self.unit, column)
+        try:
+            return super()._cache_checkpoint(request)
+        finally:
+            self.checkpoints[rid] = (position, column)
+
+
+class CheckpointChunkPastBlock(Engine):
+    """vLLM 0.33.0's scheduler: a final chunk that saves the prefill's checkpoint is not stopped
+    at the next block boundary when it starts inside a block, judged before the junction may
+    cut it short; the block it starts in, or the chunk's end, then holds a state that is not
+    its block's."""
+
+    checkpoint_skips_block_stop = True
+
+
 def _with_manager(spec_type: type, manager: type) -> Parts:
     """The allocator's parts with ``manager`` serving ``spec_type``'s groups."""
     return Parts(managers={**MANAGER_FOR_SPEC, spec_type: manager})
@@ -375,6 +408,21 @@ VARIANTS = {
             "state-key-not-moved",
             "a state block keyed inside it is copied, but its keys stay on the block its request overwrites",
             parts=_with_manager(Mamba, StateKeyNotMoved),
+        ),
+        Variant(
+            "checkpoint-over-running-state",
+            "a chunk before the prefill's end writes its checkpoint into the scratch block now running",
+            parts=_with_manager(Mamba, CheckpointOverRunningState),
+        ),
+        Variant(
+            "checkpoint-keyed-late",
+            "a checkpoint column is keyed one hash unit past the state it holds",
+            parts=_with_manager(Mamba, CheckpointKeyedLate),
+        ),
+        Variant(
+            "checkpoint-chunk-past-block",
+            "a chunk saving a checkpoint runs past the block boundary after its start",
+            engine=CheckpointChunkPastBlock,
         ),
         Variant(
             "free-keeps-cached-count",

@@ -157,6 +157,23 @@ def partial_hits_refusal() -> str | None:
     return None
 
 
+@functools.cache
+def checkpoint_refusal() -> str | None:
+    """Why this release cannot save prefill checkpoints as kvprop models them, or None. They
+    exist from 0.30.0 (``MambaSpec.num_prefill_checkpoint_blocks``); kvprop follows 0.33.0,
+    whose manager reserves a checkpoint column only in the chunk reaching the prefill's end
+    under retention interval 0 (``_needs_internal_checkpoint``'s ``prefill_end``), where
+    0.30.0 reserves one in every chunk that saves one."""
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    check = getattr(MambaManager, "_needs_internal_checkpoint", None)
+    if check is None:
+        return "it has no prefill checkpoints (MambaSpec.num_prefill_checkpoint_blocks, 0.30.0 on)"
+    if "prefill_end" not in inspect.signature(check).parameters:
+        return "its prefill checkpoints follow other rules than the 0.33.0 ones kvprop models"
+    return None
+
+
 def _accepted(fn) -> dict:
     """Parameter name -> default of ``fn`` (``inspect.Parameter.empty`` when required)."""
     return {name: p.default for name, p in inspect.signature(fn).parameters.items() if name != "self"}
@@ -198,6 +215,16 @@ def vllm_specs(config: AllocatorConfig, v) -> list:
         elif isinstance(spec, Mamba):
             # one state tensor of 1 + g floats (its size only tells groups apart; the allocator
             # never reads it); mamba_cache_mode is the spec's mode, as vLLM's model config sets it
+            checkpoints = {}
+            if spec.checkpoint is not None:
+                why = checkpoint_refusal()
+                if why is not None:
+                    raise ConfigError(
+                        f"vLLM {v.version} takes no prefill checkpoints here: {why}; Mamba.checkpoint must be "
+                        f"None, got {spec.checkpoint}"
+                    )
+                # what mamba_mixer2, GDN and KDA layers declare (0.33.0)
+                checkpoints = dict(num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=spec.checkpoint)
             specs.append(
                 v.kvi.MambaSpec(
                     block_size=spec.block_size,
@@ -205,6 +232,7 @@ def vllm_specs(config: AllocatorConfig, v) -> list:
                     dtypes=(v.torch.float32,),
                     mamba_cache_mode=spec.mode,
                     num_speculative_blocks=spec.speculative_blocks,
+                    **checkpoints,
                 )
             )
         else:
