@@ -21,9 +21,13 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
+# The suite runs on every core (pytest-xdist), one test file per worker at a time, so a
+# file's module fixtures run once; TEST_WORKERS=0 runs it in this process alone.
+TEST_WORKERS ?= auto
+
 test: $(STAMP)
 	$(BIN)/ruff check kvprop tests bench
-	KVPROP_PROFILE=$(PROFILE) $(BIN)/python -m pytest
+	KVPROP_PROFILE=$(PROFILE) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 fuzz: $(STAMP)
 	$(BIN)/kvprop fuzz --seconds $(FUZZ_SECONDS) $(FUZZ_ARGS)
