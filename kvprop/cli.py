@@ -199,11 +199,17 @@ def build_parser() -> argparse.ArgumentParser:
         "other rules or do not exist",
     )
     ag.add_argument(
+        "--incremental-report",
+        action="store_true",
+        help="no request asks for the full KV cache report: for vLLM before 0.30.0, which has none",
+    )
+    ag.add_argument(
         "--reference-variant",
         default=None,
         metavar="NAME",
         help="run kvprop's allocator as this variant: a release's known bug kvprop fixes (vLLM 0.33.0: "
-        "checkpoint-over-running-state), so that everything else can still be compared",
+        "checkpoint-over-running-state+reannounces-every-position; 0.30.0: reannounces-every-position), "
+        "so that everything else can still be compared; names joined by '+' switch on several",
     )
     ag.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -424,6 +424,7 @@ def cmd_agree(args) -> int:
         block_hits=args.block_hits,
         reference_variant=args.reference_variant,
         no_checkpoints=args.no_checkpoints,
+        incremental_report=args.incremental_report,
     )
     if result.walks == 0:
         raise ConfigError(
@@ -443,6 +444,7 @@ def cmd_agree(args) -> int:
             + (" --no-junction" if args.no_junction else "")
             + (" --block-hits" if args.block_hits else "")
             + (" --no-checkpoints" if args.no_checkpoints else "")
+            + (" --incremental-report" if args.incremental_report else "")
             + (f" --reference-variant {args.reference_variant}" if args.reference_variant else "")
         )
     return EXIT_CLEAN if d is None else EXIT_FOUND

@@ -163,5 +163,33 @@ def checkpoint_find(name: str, target=None) -> Trace:
     return tr.from_dict({"format": "kvprop-trace/1", "target": target, "config": config, "steps": steps, "drain": True})
 
 
+def report_find(name: str, target=None) -> Trace:
+    """The minimised traces of vLLM's two full-report finds (README, finds)."""
+    from kvprop.search import trace as tr
+
+    config = {
+        "enable_caching": True,
+        "enable_kv_cache_events": True,
+        "kv_cache_report_mode": "full",
+        "lookahead": 0,
+        "connector": "off",
+        "vocab": 4,
+    }
+    if name == "skipped-positions":
+        # r2 hits r1's 4 tokens: a window of 2 holds only block 1; vLLM announces blocks 0 and 1
+        config |= {"groups": [{"kind": "sliding_window", "block_size": 2, "window": 2}], "num_blocks": 5}
+        config |= {"retention_interval": 0, "token_budget": 2}
+        steps = [add_op(0, 0, 1, 1), {"op": "AddLargeRequest", "parent": 0, "seed": 0}, {"op": "Step", "times": 1}]
+        steps.append({"op": "AddLargeRequest", "parent": 0, "seed": 0})
+    else:  # "inside-a-block"
+        # r1 = [0, 0, 1, 1] hits r0's 2 tokens inside block 0; vLLM looks up the hash of a full
+        # block r1 does not have
+        mamba = {"kind": "mamba", "block_size": 16, "mode": "align", "speculative_blocks": 0}
+        config |= {"groups": [{"kind": "full", "block_size": 16}, mamba], "num_blocks": 5, "hash_unit": 2}
+        config |= {"token_budget": 1}
+        steps = [add_op(0, 0, 3, 1), add_op(0, 0, 1, 1)]
+    return tr.from_dict({"format": "kvprop-trace/1", "target": target, "config": config, "steps": steps, "drain": True})
+
+
 def add_op(parent, cut, extra, max_new_tokens) -> dict:
     return {"op": "AddRequest", "parent": parent, "cut": cut, "extra": extra, "seed": 0, "max_new_tokens": max_new_tokens}

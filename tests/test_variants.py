@@ -76,6 +76,7 @@ CAUGHT_WITHOUT_GUARDS = {
     "checkpoint-over-running-state": "data-mismatch",
     "checkpoint-keyed-late": "cached-block-lost-hash",
     "checkpoint-chunk-past-block": "data-mismatch",
+    "reannounces-every-position": "events-reannounce-unheld",
 }
 
 

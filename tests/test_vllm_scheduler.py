@@ -86,8 +86,11 @@ def known_kinds() -> set:
     kinds |= {"liveness", "connector-handoff", "null-in-attended-range", "state-source-mismatch"}
     if (0, 24) <= RELEASE < (0, 30):
         kinds.add("data-mismatch")  # the deepest group's hit taken for all groups
+    if RELEASE >= (0, 30):
+        kinds.add("events-reannounce-unheld")  # the full report of a window's skipped positions
     if RELEASE >= (0, 33):
         kinds.add("data-mismatch")  # the two prefill-checkpoint finds
+        kinds.add("target-crash")  # the full report of a hit inside a block
     return kinds
 
 

@@ -3,7 +3,8 @@
 vLLM publishes them when ``enable_kv_cache_events`` is on (``vllm/distributed/kv_events.py``;
 the block pool queues them, ``KVCacheManager.take_events`` drains them): a stored event for
 every hash a caching call adds, a removed event for every hash that leaves (eviction,
-``evict_blocks``), and all-cleared after a successful ``reset_prefix_cache``. A router that
+``evict_blocks``), and all-cleared after a successful ``reset_prefix_cache``; for requests
+asking for the full report, a lookup's hit is announced again. A router that
 replays them must end with the cache map's keys, so the events here name keys in kvprop's
 terms, (block hash, group); a target's adapter translates its own.
 """
@@ -20,6 +21,16 @@ class Stored:
 
 @attrs.frozen
 class Removed:
+    key: tuple
+
+
+@attrs.frozen
+class Reannounced:
+    """A stored event for a key a hit reuses, sent again, the cache unchanged, for a request
+    that asked for the full report (vLLM's ``emit_cached_block_events``, 0.30.0 on): a
+    gateway learns from it which prefixes each request found. vLLM's event does not tell it
+    from a store; kvprop's adapters mark what the lookup sent."""
+
     key: tuple
 
 

@@ -6,6 +6,7 @@ import attrs
 
 from kvprop.allocator.block_pool import BlockPool
 from kvprop.allocator.coordinator import HybridCoordinator, KVCacheCoordinator, UnitaryCoordinator
+from kvprop.allocator.events import Reannounced
 from kvprop.allocator.registry import MANAGER_FOR_SPEC
 from kvprop.allocator.specs import AllocatorConfig
 from kvprop.errors import RequestError
@@ -58,7 +59,21 @@ class KVCacheManager:
         if not self.enable_caching:
             return self.empty_hits(), 0, 0
         limit = request.num_tokens - 1
-        return self.coordinator.find_longest_cache_hit(request.block_hashes, limit, request.unit_hashes)
+        found = self.coordinator.find_longest_cache_hit(request.block_hashes, limit, request.unit_hashes)
+        hits, num_hit, junction = found
+        if num_hit and self.config.kv_cache_report_mode == "full":
+            self._reannounce(request, hits)
+        return hits, num_hit, junction
+
+    def _reannounce(self, request, hits) -> None:
+        """The full report: every key the hit reuses, announced again (vLLM's
+        ``emit_cached_block_events``), one per real hit block, the key that made it the
+        request's own."""
+        for g, group_hits in enumerate(hits):
+            for i, block in enumerate(group_hits):
+                if not block.is_null:
+                    own = request.keys_in_block(i, g)
+                    self.pool.events.extend(Reannounced(key) for key in self.pool.keys_of(block) if key in own)
 
     def allocate_slots(
         self,

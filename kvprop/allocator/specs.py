@@ -183,6 +183,18 @@ def _check_retention(instance, attribute, value):
         )
 
 
+REPORT_MODES = ("incremental", "full")
+
+
+def _check_report_mode(instance, attribute, value):
+    """vLLM's per-request ``kv_cache_report_mode`` (0.30.0 on), here for every request."""
+    name = "AllocatorConfig.kv_cache_report_mode"
+    if value not in REPORT_MODES:
+        raise ConfigError(f"{name} must be one of {list(REPORT_MODES)}, got {value!r}")
+    if value == "full" and not instance.enable_kv_cache_events:
+        raise ConfigError(f"{name} 'full' needs enable_kv_cache_events=True: it only adds events")
+
+
 def _check_hash_unit(instance, attribute, value):
     """vLLM's ``prefix_match_unit`` (``resolve_kv_cache_block_sizes``, 0.30.0 on): the token
     granularity of block hashes. Below the block size it enables hits that end inside a block,
@@ -219,7 +231,9 @@ class AllocatorConfig:
     and state blocks are worth a hash (``kvprop.allocator.retention``). None caches every block.
     ``enable_kv_cache_events`` queues the events a router outside the engine replays
     (``kvprop.allocator.events``). ``hash_unit`` is vLLM's ``prefix_match_unit``: below the
-    block size, hits may end inside a block (docs/design.md §2 "Hits inside a block")."""
+    block size, hits may end inside a block (docs/design.md §2 "Hits inside a block").
+    ``kv_cache_report_mode`` "full" is what every request asks for: the events then also
+    announce again the blocks each hit reuses (vLLM's per-request ``kv_cache_report_mode``)."""
 
     groups: tuple = attrs.field(converter=lambda g: tuple(g) if isinstance(g, list) else g, validator=_check_groups)
     num_blocks: int = attrs.field(validator=_int_at_least(2))
@@ -227,6 +241,7 @@ class AllocatorConfig:
     retention_interval: int | None = attrs.field(default=None, validator=_check_retention, kw_only=True)
     enable_kv_cache_events: bool = attrs.field(default=False, validator=_check_bool, kw_only=True)
     hash_unit: int | None = attrs.field(default=None, validator=_check_hash_unit, kw_only=True)
+    kv_cache_report_mode: str = attrs.field(default="incremental", validator=_check_report_mode, kw_only=True)
 
     def __attrs_post_init__(self):
         mode = "align" if self.enable_caching else "none"

@@ -4,7 +4,8 @@ A router outside the engine (vLLM's KV events consumers) learns what the cache h
 from the events. After every drain, the keys it has seen stored and not removed since the
 last clear must be exactly the cache map's keys, counted per block: one key may name
 several blocks, and each was announced once. The ledger holds what a replaying router
-holds; a removal of a key it does not hold is wrong at once. Events carry keys, not block
+holds; a removal of a key it does not hold is wrong at once, and so is a hit's block
+announced again (the full report) under a key it does not hold. Events carry keys, not block
 ids, so this checks key presence, not which block holds a key (invariant 4 does that).
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kvprop.allocator.events import Cleared, Removed, Stored
+from kvprop.allocator.events import Cleared, Reannounced, Removed, Stored
 from kvprop.errors import Violation
 
 
@@ -30,6 +31,14 @@ class EventLedger:
                 named.add(event.key)
             if isinstance(event, Stored):
                 self.counts[event.key] += 1
+            elif isinstance(event, Reannounced):
+                if self.counts[event.key] <= 0:
+                    del self.counts[event.key]
+                    raise Violation(
+                        "events-reannounce-unheld",
+                        f"a hit's block announced again under {event.key}, which the events replayed so far "
+                        f"do not hold: a router would learn a prefix this group does not have",
+                    )
             elif isinstance(event, Removed):
                 if self.counts[event.key] <= 0:
                     del self.counts[event.key]

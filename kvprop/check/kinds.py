@@ -66,6 +66,7 @@ KINDS = {
         Kind("freed-request-remains", 12, "a freed request leaves no table, cached count or pending load"),
         Kind("events-diverge", 13, "replaying the KV cache events reproduces the cache map's keys"),
         Kind("events-unknown-removal", 13, "a removed event names a key the replayed events hold"),
+        Kind("events-reannounce-unheld", 13, "a hit's block announced again names a key the replayed events hold"),
         Kind("table-rewritten", 14, "an allocation only appends to a table or nulls entries it skips"),
     )
 }

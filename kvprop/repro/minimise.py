@@ -215,8 +215,10 @@ def _simpler_configs(config):
         # no prefill checkpoints; else the finest kernel grid
         new = tuple(attrs.evolve(g, checkpoint=simpler) if g.kind == "mamba" else g for g in groups)
         yield _with_allocator(config, groups=new)
+    if a.kv_cache_report_mode != "incremental":
+        yield _with_allocator(config, kv_cache_report_mode="incremental")
     if a.enable_kv_cache_events:
-        yield _with_allocator(config, enable_kv_cache_events=False)
+        yield _with_allocator(config, enable_kv_cache_events=False, kv_cache_report_mode="incremental")
     if a.retention_interval is not None:  # dense caching has no rule of its own to read
         yield _with_allocator(config, retention_interval=None)
         if a.retention_interval:

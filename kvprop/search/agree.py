@@ -75,6 +75,7 @@ def agree_walk(
     block_hits: bool = False,
     reference_variant: str | None = None,
     no_checkpoints: bool = False,
+    incremental_report: bool = False,
 ):
     """(steps run, the first disagreement) of walk ``seed`` between kvprop and ``target``
     (checks off on both sides: the invariants are not what is compared here). ``block_hits``:
@@ -84,7 +85,8 @@ def agree_walk(
     ``reference_variant``: kvprop's allocator runs as that bug variant, the rule of a release
     whose bug kvprop fixes, so that the rest is still compared. ``no_checkpoints``: state
     groups save no prefill checkpoints, for a release whose checkpoints follow other rules
-    than 0.33.0's (0.30.0) or that has none."""
+    than 0.33.0's (0.30.0) or that has none. ``incremental_report``: no request asks for the
+    full KV cache report, which releases before 0.30.0 do not have."""
     trace = plan(seed, max_ops)
     if no_junction:
         trace = attrs.evolve(trace, config=_without_junction(trace.config))
@@ -93,6 +95,9 @@ def agree_walk(
         trace = attrs.evolve(trace, config=attrs.evolve(trace.config, allocator=allocator))
     if no_checkpoints:
         trace = attrs.evolve(trace, config=without_checkpoints(trace.config))
+    if incremental_report:
+        allocator = attrs.evolve(trace.config.allocator, kv_cache_report_mode="incremental")
+        trace = attrs.evolve(trace, config=attrs.evolve(trace.config, allocator=allocator))
     reference = Harness(trace.config, variant=reference_variant, checks=False)
     other = Harness(trace.config, target=target, checks=False)
     steps = [op for op in trace.steps if type(op).__name__ != "Misuse"]
@@ -123,6 +128,7 @@ def agree(
     block_hits: bool = False,
     reference_variant: str | None = None,
     no_checkpoints: bool = False,
+    incremental_report: bool = False,
 ) -> Agreement:
     """Walk ``seeds`` on both sides until the first disagreement. A configuration the target
     refuses (ConfigError from its factory) is counted, not compared."""
@@ -130,7 +136,7 @@ def agree(
     for seed in seeds:
         try:
             steps, disagreement = agree_walk(
-                seed, target, max_ops, no_junction, block_hits, reference_variant, no_checkpoints
+                seed, target, max_ops, no_junction, block_hits, reference_variant, no_checkpoints, incremental_report
             )
         except ConfigError as e:
             result = attrs.evolve(result, refused=result.refused + 1, first_refusal=result.first_refusal or str(e))

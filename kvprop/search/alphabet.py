@@ -85,6 +85,8 @@ def sample_config(choose) -> EngineConfig:
         # models have them: alignment 1 as mamba_mixer2 always declares, or a coarser kernel
         # grid as GDN and KDA layers do.
         groups[-1] = attrs.evolve(groups[-1], checkpoint=choose.pick((None, 1, 1, 4)))
+    # the full report (hits announced again) in half the shapes with events
+    report = "full" if events and choose.integer(0, 1) else "incremental"
     return EngineConfig(
         allocator=AllocatorConfig(
             tuple(groups),
@@ -93,6 +95,7 @@ def sample_config(choose) -> EngineConfig:
             retention_interval=retention,
             enable_kv_cache_events=events,
             hash_unit=hash_unit,
+            kv_cache_report_mode=report,
         ),
         token_budget=token_budget,
         lookahead=lookahead,

@@ -95,6 +95,7 @@ def config_to_dict(config: EngineConfig) -> dict:
         "retention_interval": a.retention_interval,
         "enable_kv_cache_events": a.enable_kv_cache_events,
         "hash_unit": a.hash_unit,
+        "kv_cache_report_mode": a.kv_cache_report_mode,
         "token_budget": config.token_budget,
         "lookahead": config.lookahead,
         "connector": config.connector,
@@ -141,6 +142,7 @@ CONFIG_FIELDS = (
     "retention_interval",
     "enable_kv_cache_events",
     "hash_unit",
+    "kv_cache_report_mode",
     "token_budget",
     "lookahead",
     "connector",
@@ -176,6 +178,7 @@ def config_from_dict(d) -> EngineConfig:
                 retention_interval=_optional(d, "retention_interval", None, (int, type(None))),
                 enable_kv_cache_events=_optional(d, "enable_kv_cache_events", False, bool),
                 hash_unit=_optional(d, "hash_unit", None, (int, type(None))),  # absent before: the block size
+                kv_cache_report_mode=_optional(d, "kv_cache_report_mode", "incremental", str),
             ),
             token_budget=_require(d, "token_budget", "config", int),
             lookahead=_require(d, "lookahead", "config", int),

@@ -10,6 +10,7 @@ import attrs
 
 from kvprop.allocator.block_pool import BlockPool
 from kvprop.allocator.coordinator import HybridCoordinator, UnitaryCoordinator
+from kvprop.allocator.events import Reannounced
 from kvprop.allocator.mamba import MambaManager
 from kvprop.allocator.manager import KVCacheManager, Parts
 from kvprop.allocator.managers import (
@@ -277,6 +278,16 @@ class CheckpointOverRunningState(MambaManager):
     guard_scratch_checkpoint = False
 
 
+class ReannouncesEveryPosition(KVCacheManager):
+    """vLLM's rule (``emit_cached_block_events``, 0.30.0 to 0.33.0): the full report announces
+    the request's block hash at every position of each group's hit, the null entries a
+    sliding window or a state group skipped included, which that group does not hold."""
+
+    def _reannounce(self, request, hits) -> None:
+        for g, group_hits in enumerate(hits):
+            self.pool.events.extend(Reannounced((request.block_hashes[i], g)) for i in range(len(group_hits)))
+
+
 class CheckpointKeyedLate(MambaManager):
     """Keys a checkpoint column one hash unit past its checkpoint: the state it holds is a unit
     short of the one its key promises (a restored state off by one unit, vLLM #51100's kind)."""
@@ -415,6 +426,11 @@ VARIANTS = {
             parts=_with_manager(Mamba, CheckpointOverRunningState),
         ),
         Variant(
+            "reannounces-every-position",
+            "the full report announces a hit's skipped positions, which the group does not hold",
+            allocator=ReannouncesEveryPosition,
+        ),
+        Variant(
             "checkpoint-keyed-late",
             "a checkpoint column is keyed one hash unit past the state it holds",
             parts=_with_manager(Mamba, CheckpointKeyedLate),
@@ -435,10 +451,44 @@ CORRECT = Variant("correct", "none: the allocator as specified")
 
 
 def get_variant(name: str | None) -> Variant:
+    """The variant ``name``; names joined by '+' switch on several bugs at once where each
+    changes a different part (kvprop agree runs kvprop as a release's known bugs this way)."""
     if name is None or name == CORRECT.name:
         return CORRECT
+    if "+" in name:
+        return _combined([get_variant(part) for part in name.split("+")], name)
     try:
         return VARIANTS[name]
     except KeyError:
         known = ", ".join([CORRECT.name, *VARIANTS])
         raise ConfigError(f"unknown variant {name!r}; known variants: {known}") from None
+
+
+def _combined(variants: list, name: str) -> Variant:
+    """One variant with every part each of ``variants`` changes; two changing one part clash."""
+    default = _changes(CORRECT)
+    changes: dict = {}
+    for v in variants:
+        own = {k: c for k, c in _changes(v).items() if default.get(k) is not c}
+        both = own.keys() & changes.keys()
+        clash = sorted(f"the {k[1].__name__} manager" if isinstance(k, tuple) else k for k in both)
+        if clash:
+            raise ConfigError(f"variant {name!r}: two of its variants change the same part ({', '.join(clash)})")
+        changes |= own
+    merged = default | changes
+    managers = {spec: merged[("manager", spec)] for spec in MANAGER_FOR_SPEC}
+    parts = Parts(pool=merged["pool"], unitary=merged["unitary"], hybrid=merged["hybrid"], managers=managers)
+    return Variant(name, " + ".join(v.bug for v in variants), merged["allocator"], parts, merged["engine"])
+
+
+def _changes(v: Variant) -> dict:
+    """Every part ``v`` is built from, by the place it fills."""
+    managers = {("manager", spec): cls for spec, cls in v.parts.managers.items()}
+    return {
+        "allocator": v.allocator,
+        "engine": v.engine,
+        "pool": v.parts.pool,
+        "unitary": v.parts.unitary,
+        "hybrid": v.parts.hybrid,
+        **managers,
+    }

@@ -30,7 +30,7 @@ import os
 import warnings
 from types import SimpleNamespace
 
-from kvprop.allocator.events import Cleared, Removed, Stored
+from kvprop.allocator.events import Cleared, Reannounced, Removed, Stored
 from kvprop.allocator.specs import (
     THINNED_BY_RETENTION,
     AllocatorConfig,
@@ -395,6 +395,28 @@ class VllmAllocator:
         self.event_names: dict = {}  # the hash as KV cache events publish it -> kvprop block hash
         self._named: dict = {}  # request id -> how many of its block hashes are in hash_names
         self.num_evictions = 0
+        self._reannounced: set = set()  # ids of the queued stored events a lookup sent (the full report)
+        if self.config.kv_cache_report_mode == "full" and not hasattr(self.pool, "emit_cached_block_events"):
+            raise ConfigError(
+                f"vLLM {self.v.version} has no full KV cache report (kv_cache_report_mode, 0.30.0 on); "
+                f"kv_cache_report_mode must be 'incremental', got 'full'"
+            )
+
+    def sampling_params(self, max_tokens: int):
+        """The request's sampling parameters: its token limit and, for the full report, the
+        mode vLLM's ``Request`` reads from ``extra_args``."""
+        extra = {"kv_cache_report_mode": "full"} if self.config.kv_cache_report_mode == "full" else None
+        return self.v.SamplingParams(max_tokens=max_tokens, **({"extra_args": extra} if extra else {}))
+
+    def reannouncing(self, lookup, *args, **kwargs):
+        """``lookup(*args, **kwargs)``, marking the stored events it queues: vLLM's event does not
+        tell a hit announced again (``emit_cached_block_events``) from a store."""
+        queue = getattr(self.pool, "kv_event_queue", None)
+        before = len(queue) if queue is not None else 0
+        result = lookup(*args, **kwargs)
+        if queue is not None:
+            self._reannounced.update(id(event) for event in queue[before:])
+        return result
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -406,7 +428,7 @@ class VllmAllocator:
             vreq = self.requests[rid] = self.v.Request(
                 request_id=rid,
                 prompt_token_ids=list(request.tokens[: request.num_prompt_tokens]),
-                sampling_params=self.v.SamplingParams(max_tokens=request.max_new_tokens),
+                sampling_params=self.sampling_params(request.max_new_tokens),
                 pooling_params=None,
                 block_hasher=self.hasher,
             )
@@ -445,7 +467,7 @@ class VllmAllocator:
     # ---- manager-facade calls -----------------------------------------------------------
 
     def get_computed_blocks(self, request):
-        result = self.manager.get_computed_blocks(self.vllm_request(request))
+        result = self.reannouncing(self.manager.get_computed_blocks, self.vllm_request(request))
         # 0.30.0 on adds the shared-prefix junction; releases before have none (0)
         return Hits(result[0]), result[1], result[2] if len(result) > 2 else 0
 
@@ -517,6 +539,9 @@ class VllmAllocator:
             kind = next((ours for theirs, ours in kinds if isinstance(event, theirs)), None)
             if kind is None:
                 raise TypeError(f"an unknown KV cache event from vLLM {self.v.version}: {event!r}")
+            if id(event) in self._reannounced:
+                self._reannounced.discard(id(event))
+                kind = Reannounced
             for published in event.block_hashes:
                 name = self.event_names.get(published, f"vllm:{published}")
                 out.append(kind((name, event.group_idx)))

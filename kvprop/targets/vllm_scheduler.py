@@ -98,7 +98,7 @@ class SchedulerEngine(OffloadWorker, Engine):
         real_hit, real_allocate, real_free = manager.get_computed_blocks, manager.allocate_slots, manager.free
 
         def get_computed_blocks(vreq, *args, **kwargs):
-            result = real_hit(vreq, *args, **kwargs)
+            result = self.allocator.reannouncing(real_hit, vreq, *args, **kwargs)
             self._hook(self._after_hit, vreq, result)
             return result
 
@@ -269,7 +269,7 @@ class SchedulerEngine(OffloadWorker, Engine):
         vreq = v.Request(
             request_id=request.request_id,
             prompt_token_ids=list(request.tokens),
-            sampling_params=v.SamplingParams(max_tokens=max_new_tokens),
+            sampling_params=self.allocator.sampling_params(max_new_tokens),
             pooling_params=None,
             block_hasher=self.allocator.hasher,
         )
