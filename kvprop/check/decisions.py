@@ -87,8 +87,8 @@ def _possible_checkpoint(engine, request, spec, computed: int, main: int) -> int
     (kvprop.allocator.checkpoint; whether the column is free is the allocator's to see), else 0."""
     allocator = engine.config.allocator
     prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
-    if allocator.retention_interval == 0 and main < prefill_end:
-        return 0  # only the chunk reaching the prefill's end saves one
+    if allocator.retention_interval == 0 and main < prefill_end and not spec.speculative_blocks:
+        return 0  # only the chunk reaching the prefill's end saves one (or one over a scratch column)
     return int(chunk_checkpoint(computed, main, allocator.unit, spec.block_size, spec.checkpoint) > 0)
 
 
