@@ -629,7 +629,17 @@ def test_a_removal_of_a_key_never_stored_is_events_unknown_removal():
     assert info.value.kind == "events-unknown-removal"
 
 
-EXERCISED |= {"events-diverge", "events-unknown-removal"}
+def test_a_hit_announced_again_under_a_key_never_stored_is_events_reannounce_unheld():
+    from kvprop.allocator.events import Reannounced
+
+    eng, checker = _engine_with_events()
+    eng.allocator.pool.events.append(Reannounced((7, 1)))
+    with pytest.raises(Violation) as info:
+        checker.check_all(eng)
+    assert info.value.kind == "events-reannounce-unheld"
+
+
+EXERCISED |= {"events-diverge", "events-unknown-removal", "events-reannounce-unheld"}
 
 
 # ---- state groups (7): the state a step continues from, and where it writes the next ------
