@@ -20,13 +20,12 @@ from kvprop.targets.variants import VARIANTS
 BUDGET = 1000  # examples; each variant is found well inside it (at most 270 at seed 3)
 MAX_SHRUNK = 12  # rule steps a find minimises to, at most
 
-# The two variants that are vLLM 0.33.0's prefill-checkpoint rules need a state group with
-# checkpoints, a hash unit or drafts, and a prompt of several chunks: the state machine finds
-# them past CI's budget (`kvprop fuzz --driver hypothesis --fresh --workers 1`, examples until
-# the find). The walker finds them below, within CI's time; `kvprop bugs` tabulates both drivers.
+# vLLM 0.33.0's rule of a checkpoint written over the running state needs a state group with a
+# checkpoint and drafts, retention 0 and a prompt of three chunks or more: the state machine
+# finds it past CI's budget (`kvprop fuzz --driver hypothesis --fresh --workers 1`, examples
+# until the find). The walker finds it below, within CI's time.
 BEYOND_BUDGET = {
-    "checkpoint-over-running-state": "seed 3: 1,504; seed 1: 873; seed 0: none in 2,000",
-    "checkpoint-chunk-past-block": "seed 3: 1,150; seed 1: 389; seed 0: 1,775",
+    "checkpoint-over-running-state": "seed 3: 2,150; seed 0: none in 2,500",
 }
 
 

@@ -653,7 +653,8 @@ class Engine:
         position = chunk_checkpoint(start, start + n, self.config.allocator.unit, bs, self.specs[g].checkpoint)
         if position and worker[column - 1] != self.view.null_block_id:
             # the worker's own rule (compute_mamba_prefill_checkpoints): the state after
-            # ``position`` into the column before the running state; a null column has no row
+            # ``position`` into the column before the running state, written after it (as
+            # mamba_mixer2 writes the checkpoint's conv window); a null column has no row
             targets.append((worker[column - 1], column - 1, position))
         self.hooks.before_state_write(self, request, g, self.state_block(request, g), start, targets)
         for block, index, after in targets:
