@@ -395,7 +395,8 @@ class VllmAllocator:
         self.event_names: dict = {}  # the hash as KV cache events publish it -> kvprop block hash
         self._named: dict = {}  # request id -> how many of its block hashes are in hash_names
         self.num_evictions = 0
-        self._reannounced: set = set()  # ids of the queued stored events a lookup sent (the full report)
+        # the stored events a lookup queued (the full report), by id; holding them keeps each id theirs
+        self._reannounced: dict = {}
         if self.config.kv_cache_report_mode == "full" and not hasattr(self.pool, "emit_cached_block_events"):
             raise ConfigError(
                 f"vLLM {self.v.version} has no full KV cache report (kv_cache_report_mode, 0.30.0 on); "
@@ -415,7 +416,7 @@ class VllmAllocator:
         before = len(queue) if queue is not None else 0
         result = lookup(*args, **kwargs)
         if queue is not None:
-            self._reannounced.update(id(event) for event in queue[before:])
+            self._reannounced.update((id(event), event) for event in queue[before:])
         return result
 
     # ---- requests ---------------------------------------------------------------------
@@ -539,8 +540,7 @@ class VllmAllocator:
             kind = next((ours for theirs, ours in kinds if isinstance(event, theirs)), None)
             if kind is None:
                 raise TypeError(f"an unknown KV cache event from vLLM {self.v.version}: {event!r}")
-            if id(event) in self._reannounced:
-                self._reannounced.discard(id(event))
+            if self._reannounced.pop(id(event), None) is event:
                 kind = Reannounced
             for published in event.block_hashes:
                 name = self.event_names.get(published, f"vllm:{published}")
