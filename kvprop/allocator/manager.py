@@ -106,9 +106,14 @@ class KVCacheManager:
         num_tokens_need_slot = num_tokens_main_model + num_lookahead_tokens
 
         self.coordinator.remove_skipped_blocks(request_id, total_computed)
-        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)  # a resumed request replays its outputs
         needed = self.coordinator.count_blocks_to_allocate(
-            request_id, num_tokens_need_slot, hits, total_computed, num_tokens_main_model, num_local, prefill_end
+            request_id,
+            num_tokens_need_slot,
+            hits,
+            total_computed,
+            num_tokens_main_model,
+            num_local,
+            request.prefill_end,
         )
         if needed > self.pool.num_free_blocks:
             return None

@@ -86,8 +86,7 @@ def _possible_checkpoint(engine, request, spec, computed: int, main: int) -> int
     """1 if the chunk [computed, main) may save a prefill checkpoint into a column of its own
     (kvprop.allocator.checkpoint; whether the column is free is the allocator's to see), else 0."""
     allocator = engine.config.allocator
-    prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
-    if allocator.retention_interval == 0 and main < prefill_end and not spec.speculative_blocks:
+    if allocator.retention_interval == 0 and main < request.prefill_end and not spec.speculative_blocks:
         return 0  # only the chunk reaching the prefill's end saves one (or one over a scratch column)
     return int(chunk_checkpoint(computed, main, allocator.unit, spec.block_size, spec.checkpoint) > 0)
 

@@ -211,10 +211,10 @@ def _simpler_configs(config):
     if a.hash_unit is not None:  # hits end on block boundaries
         yield _with_allocator(config, hash_unit=None)
     checkpoints = {g.checkpoint for g in groups if g.kind == "mamba"} - {None}
-    for simpler in (None, 1) if checkpoints - {1} else (None,) if checkpoints else ():
-        # no prefill checkpoints; else the finest kernel grid
-        new = tuple(attrs.evolve(g, checkpoint=simpler) if g.kind == "mamba" else g for g in groups)
-        yield _with_allocator(config, groups=new)
+    if checkpoints:  # no prefill checkpoints, then the finest kernel grid
+        for simpler in (None, 1) if checkpoints != {1} else (None,):
+            new = tuple(attrs.evolve(g, checkpoint=simpler) if g.kind == "mamba" else g for g in groups)
+            yield _with_allocator(config, groups=new)
     if a.kv_cache_report_mode != "incremental":
         yield _with_allocator(config, kv_cache_report_mode="incremental")
     if a.enable_kv_cache_events:

@@ -90,14 +90,12 @@ def agree_walk(
     trace = plan(seed, max_ops)
     if no_junction:
         trace = attrs.evolve(trace, config=_without_junction(trace.config))
-    if block_hits:
-        allocator = attrs.evolve(trace.config.allocator, hash_unit=None)
-        trace = attrs.evolve(trace, config=attrs.evolve(trace.config, allocator=allocator))
-    if no_checkpoints:
-        trace = attrs.evolve(trace, config=without_checkpoints(trace.config))
+    config = without_checkpoints(trace.config) if no_checkpoints else trace.config
+    changes = {"hash_unit": None} if block_hits else {}
     if incremental_report:
-        allocator = attrs.evolve(trace.config.allocator, kv_cache_report_mode="incremental")
-        trace = attrs.evolve(trace, config=attrs.evolve(trace.config, allocator=allocator))
+        changes["kv_cache_report_mode"] = "incremental"
+    config = attrs.evolve(config, allocator=attrs.evolve(config.allocator, **changes))
+    trace = attrs.evolve(trace, config=config)
     reference = Harness(trace.config, variant=reference_variant, checks=False)
     other = Harness(trace.config, target=target, checks=False)
     steps = [op for op in trace.steps if type(op).__name__ != "Misuse"]
@@ -149,7 +147,14 @@ def agree(
     for seed in seeds:
         try:
             steps, disagreement = agree_walk(
-                seed, target, max_ops, no_junction, block_hits, reference_variant, no_checkpoints, incremental_report
+                seed,
+                target,
+                max_ops,
+                no_junction=no_junction,
+                block_hits=block_hits,
+                reference_variant=reference_variant,
+                no_checkpoints=no_checkpoints,
+                incremental_report=incremental_report,
             )
         except ConfigError as e:
             result = attrs.evolve(result, refused=result.refused + 1, first_refusal=result.first_refusal or str(e))

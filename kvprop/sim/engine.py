@@ -111,6 +111,8 @@ class Engine:
         self.specs = config.allocator.groups
         self.state_groups = frozenset(g for g, spec in enumerate(self.specs) if isinstance(spec, Mamba))
         self.state_aligned = any(self.specs[g].mode == "align" for g in self.state_groups)
+        # the state groups' prefill-checkpoint alignment (AllocatorConfig requires them all alike)
+        self.checkpoint_alignment = next((self.specs[g].checkpoint for g in self.state_groups), None)
         self.tells_steps = hasattr(allocator, "new_step_starts")  # an optional facade call (docs/targets.md)
         self.copies_blocks = hasattr(allocator, "take_kv_cache_block_copies")  # optional too
         # blocks a request's copies of shared blocks may take beyond its tables (max_blocks_needed)
@@ -527,7 +529,7 @@ class Engine:
         cached as if it were (README, finds). kvprop's scheduler always stops there."""
         if not self.state_aligned:
             return num_tokens
-        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+        prefill_end = request.prefill_end
         if start >= prefill_end:
             return num_tokens
         bs, end = self.block_size, start + num_tokens
@@ -553,10 +555,9 @@ class Engine:
         checkpoint itself (kvprop.allocator.checkpoint), so no stop is needed for it: vLLM's
         scheduler asks this of the first state group, and only when every state group saves
         checkpoints (kvprop requires them all alike)."""
-        state = [self.specs[g] for g in sorted(self.state_groups)]
-        alignment, unit = state[0].checkpoint, self.config.allocator.unit
+        unit = self.config.allocator.unit
         return end >= prefill_end and saves_checkpoint(
-            start, end, checkpoint_position(prefill_end, unit), unit, self.block_size, alignment
+            start, end, checkpoint_position(prefill_end, unit), unit, self.block_size, self.checkpoint_alignment
         )
 
     def _prompt_tail(self, request) -> int:

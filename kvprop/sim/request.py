@@ -86,6 +86,12 @@ class Request:
         return len(self.tokens) + len(self.spec_token_ids)
 
     @property
+    def prefill_end(self) -> int:
+        """Where the request's prefill ends: its prompt, or, resumed after a preemption, every
+        token but the last (the outputs it replays; vLLM's scheduler and manager alike)."""
+        return max(self.num_prompt_tokens, self.num_tokens - 1)
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.tokens) - self.num_prompt_tokens
 

@@ -406,8 +406,9 @@ class VllmAllocator:
     def sampling_params(self, max_tokens: int):
         """The request's sampling parameters: its token limit and, for the full report, the
         mode vLLM's ``Request`` reads from ``extra_args``."""
-        extra = {"kv_cache_report_mode": "full"} if self.config.kv_cache_report_mode == "full" else None
-        return self.v.SamplingParams(max_tokens=max_tokens, **({"extra_args": extra} if extra else {}))
+        if self.config.kv_cache_report_mode == "full":
+            return self.v.SamplingParams(max_tokens=max_tokens, extra_args={"kv_cache_report_mode": "full"})
+        return self.v.SamplingParams(max_tokens=max_tokens)
 
     def reannouncing(self, lookup, *args, **kwargs):
         """``lookup(*args, **kwargs)``, marking the stored events it queues: vLLM's event does not
