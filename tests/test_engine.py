@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from helpers import engine
 
-from kvprop.allocator.specs import FullAttention, SlidingWindow
+from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow
 from kvprop.check.checker import Checker, drain
-from kvprop.errors import RequestError, Violation
+from kvprop.errors import ConfigError, RequestError, Violation
 from kvprop.sim.engine import EV_ABORT_LOAD, EV_LOAD_FAIL, EV_PREEMPT, EV_REHIT
 from kvprop.sim.request import Status
 
@@ -276,6 +276,24 @@ def test_async_load_failure_frees_blocks_and_recomputes(checker):
     drain(eng, checker)
 
 
+def test_async_load_failure_under_the_fail_policy_ends_the_request(checker):
+    """vLLM's default policy: the request ends with an error and gives every block back."""
+    eng = engine([FullAttention(4)], 20, hooks=checker, connector="async", load_failure_policy="fail")
+    prompt = list(range(14))
+    eng.connector.publish_prefix(prompt)
+    r = eng.add_request(prompt, 2)
+    step(eng, checker)
+    eng.finish_load(r.request_id, ok=False)
+    checker.check_all(eng)
+    assert (r.status, eng.requests, list(eng.waiting), all_free(eng), eng.events[EV_LOAD_FAIL]) == (
+        Status.FAILED,
+        {},
+        [],
+        True,
+        1,
+    )
+
+
 @pytest.mark.parametrize("ok", [True, False])
 def test_abort_during_async_load_defers_the_free(checker, ok):
     """An abort while loading marks the request aborting and keeps its blocks (the load
@@ -348,3 +366,8 @@ def test_shared_prefix_is_hit_by_a_later_request(checker):
     report = step(eng, checker)
     assert report.scheduled == {b.request_id: 1}
     assert all_free(eng)
+
+
+def test_the_fail_policy_needs_an_asynchronous_connector():
+    with pytest.raises(ConfigError, match="load_failure_policy 'fail' needs connector 'async', got 'sync'"):
+        EngineConfig(AllocatorConfig((FullAttention(4),), 8), connector="sync", load_failure_policy="fail")

@@ -66,3 +66,22 @@ def test_a_retention_interval_of_the_wrong_type_is_refused():
     data["config"]["retention_interval"] = "0"
     with pytest.raises(tr.TraceError, match=r"config.retention_interval: expected int or null, got '0'"):
         tr.from_dict(data)
+
+
+def test_a_trace_written_before_the_failure_policy_and_the_observers_reads_with_the_old_behaviour():
+    data = tr.to_dict(plan(3))
+    for field in ("load_failure_policy", "log_stats", "kv_cache_metrics"):
+        del data["config"][field]
+    config = tr.from_dict(data).config
+    assert (config.load_failure_policy, config.allocator.log_stats, config.allocator.kv_cache_metrics) == (
+        "recompute",
+        True,
+        False,
+    )
+
+
+def test_an_unknown_failure_policy_is_refused_with_the_allowed_ones():
+    data = tr.to_dict(plan(3))
+    data["config"]["load_failure_policy"] = "retry"
+    with pytest.raises(tr.TraceError, match=r"load_failure_policy must be one of \['recompute', 'fail'\], got 'retry'"):
+        tr.from_dict(data)

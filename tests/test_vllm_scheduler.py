@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import attrs
 import pytest
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -22,8 +23,10 @@ from kvprop.check.checker import Checker, drain  # noqa: E402
 from kvprop.errors import ConfigError  # noqa: E402
 from kvprop.search import trace as tr  # noqa: E402
 from kvprop.search.execute import execute  # noqa: E402
+from kvprop.search.harness import Harness  # noqa: E402
 from kvprop.search.walk import plan, run_walk  # noqa: E402
 from kvprop.sim.engine import EV_PREEMPT, EV_SPEC_ACCEPT, EV_SPEC_REJECT  # noqa: E402
+from kvprop.sim.request import Status  # noqa: E402
 from kvprop.targets import build_engine  # noqa: E402
 from kvprop.targets.vllm_scheduler import refusal  # noqa: E402
 
@@ -400,6 +403,31 @@ def test_a_load_reserves_a_speculative_step_the_pool_cannot_spare_from_0_33():
 def test_a_failed_load_keeps_its_reservation_from_0_23():
     """0.23.0 introduced the reservation for loads in flight (``_inflight_prefills``)."""
     assert outcome(LOST_RESERVATION) == ("liveness" if RELEASE >= (0, 23) else None)
+
+
+def under_the_fail_policy(trace):
+    return attrs.evolve(trace, config=attrs.evolve(trace.config, load_failure_policy="fail"))
+
+
+@pytest.mark.parametrize("name", ["LOST_RESERVATION", "NULL_IN_WINDOW", "NULL_IN_WINDOW_EVERYWHERE"])
+def test_a_failed_load_under_vllms_default_policy_ends_its_request_and_nothing_else(name):
+    """These finds are in the recovery of the "recompute" policy; vLLM's default, "fail", ends
+    the request instead (FINISHED_ERROR), and every check holds."""
+    assert outcome(under_the_fail_policy(globals()[name])) is None
+
+
+def test_a_request_vllm_ends_for_a_failed_load_is_retired_as_failed():
+    trace = under_the_fail_policy(LOST_RESERVATION)
+    harness = Harness(trace.config, target="vllm-scheduler", device="cpu")
+    for op in trace.steps:
+        harness.apply(op)
+    harness.apply(tr.op_from_dict({"op": "Step", "times": 1}, "step"))
+    engine = harness.engine
+    assert ([r.status for r in engine.retired], engine.requests, engine.events["async load failure"]) == (
+        [Status.FINISHED, Status.FAILED],
+        {},
+        1,
+    )
 
 
 def test_a_failed_sliding_window_load_recomputes_without_its_window_before_0_30():

@@ -352,6 +352,17 @@ def test_the_retention_interval_reaches_vllms_coordinator(interval):
     assert getattr(allocator.manager.coordinator, "retention_interval", None) == interval
 
 
+@pytest.mark.parametrize("log_stats", [True, False])
+def test_the_statistics_setting_reaches_vllms_manager(log_stats):
+    allocator, _ = make_target(AllocatorConfig((FullAttention(4),), 8, log_stats=log_stats))
+    assert allocator.manager.log_stats is log_stats
+
+
+def test_the_residency_metrics_sample_every_block_of_vllms_pool():
+    allocator, _ = make_target(AllocatorConfig((FullAttention(4),), 8, kv_cache_metrics=True))
+    assert allocator.manager.block_pool.metrics_collector.sample_rate == 1.0
+
+
 # the rules of a release that kvprop fixes (README, finds): kvprop runs as them to compare the rest
 KNOWN_RULES = {
     (0, 30): "reannounces-every-position",

@@ -233,7 +233,11 @@ class AllocatorConfig:
     (``kvprop.allocator.events``). ``hash_unit`` is vLLM's ``prefix_match_unit``: below the
     block size, hits may end inside a block (docs/design.md §2 "Hits inside a block").
     ``kv_cache_report_mode`` "full" is what every request asks for: the events then also
-    announce again the blocks each hit reuses (vLLM's per-request ``kv_cache_report_mode``)."""
+    announce again the blocks each hit reuses (vLLM's per-request ``kv_cache_report_mode``).
+    ``log_stats`` (prefix-cache hit statistics; a served engine keeps them unless started with
+    ``--disable-log-stats``) and ``kv_cache_metrics`` (``--kv-cache-metrics``: block residency
+    metrics, every block sampled) only observe: kvprop's allocator has nothing to do for them,
+    a vLLM target builds its manager with them, so their hooks in its block pool run too."""
 
     groups: tuple = attrs.field(converter=lambda g: tuple(g) if isinstance(g, list) else g, validator=_check_groups)
     num_blocks: int = attrs.field(validator=_int_at_least(2))
@@ -242,6 +246,8 @@ class AllocatorConfig:
     enable_kv_cache_events: bool = attrs.field(default=False, validator=_check_bool, kw_only=True)
     hash_unit: int | None = attrs.field(default=None, validator=_check_hash_unit, kw_only=True)
     kv_cache_report_mode: str = attrs.field(default="incremental", validator=_check_report_mode, kw_only=True)
+    log_stats: bool = attrs.field(default=True, validator=_check_bool, kw_only=True)
+    kv_cache_metrics: bool = attrs.field(default=False, validator=_check_bool, kw_only=True)
 
     def __attrs_post_init__(self):
         mode = "align" if self.enable_caching else "none"
@@ -286,12 +292,27 @@ class AllocatorConfig:
 
 
 CONNECTOR_MODES = ("off", "sync", "async")
+LOAD_FAILURE_POLICIES = ("recompute", "fail")
 MAX_SPECULATIVE_TOKENS = 4  # MTP and EAGLE deployments propose 1 to 4 drafts
 
 
 def _check_connector(instance, attribute, value):
     if value not in CONNECTOR_MODES:
         raise ConfigError(f"EngineConfig.connector must be one of {list(CONNECTOR_MODES)}, got {value!r}")
+
+
+def _check_load_failure_policy(instance, attribute, value):
+    """vLLM's ``KVTransferConfig.kv_load_failure_policy``: "fail" (its default) ends a request
+    whose load failed with an error, "recompute" starts it again without the failed blocks."""
+    if value not in LOAD_FAILURE_POLICIES:
+        raise ConfigError(
+            f"EngineConfig.load_failure_policy must be one of {list(LOAD_FAILURE_POLICIES)}, got {value!r}"
+        )
+    if value != "recompute" and instance.connector != "async":
+        raise ConfigError(
+            f"EngineConfig.load_failure_policy {value!r} needs connector 'async', got {instance.connector!r}: "
+            f"only an asynchronous load can fail here"
+        )
 
 
 def _check_allocator(value):
@@ -302,9 +323,10 @@ def _check_allocator(value):
 @attrs.frozen
 class EngineConfig:
     """The scheduler around the allocator: token budget, lookahead, connector, token alphabet,
-    and ``speculative_tokens``: the draft tokens proposed after each sampled token and verified
+    ``speculative_tokens``: the draft tokens proposed after each sampled token and verified
     in the next step (vLLM's ``num_speculative_tokens``, MTP/EAGLE/n-gram; docs/design.md §2
-    "Speculative decoding")."""
+    "Speculative decoding"), and ``load_failure_policy``: what a failed load does to its request
+    (vLLM's ``kv_load_failure_policy``, docs/design.md §3)."""
 
     allocator: AllocatorConfig = attrs.field(validator=lambda i, a, v: _check_allocator(v))
     token_budget: int = attrs.field(default=64, validator=_int_at_least(1))
@@ -312,6 +334,7 @@ class EngineConfig:
     connector: str = attrs.field(default="off", validator=_check_connector)
     vocab: int = attrs.field(default=4, validator=_int_at_least(1))
     speculative_tokens: int = attrs.field(default=0, kw_only=True, validator=_int_at_least(0, MAX_SPECULATIVE_TOKENS))
+    load_failure_policy: str = attrs.field(default="recompute", kw_only=True, validator=_check_load_failure_policy)
 
     def __attrs_post_init__(self):
         for spec in self.allocator.groups:

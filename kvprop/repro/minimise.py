@@ -219,6 +219,8 @@ def _simpler_configs(config):
         yield _with_allocator(config, kv_cache_report_mode="incremental")
     if a.enable_kv_cache_events:
         yield _with_allocator(config, enable_kv_cache_events=False, kv_cache_report_mode="incremental")
+    if not a.log_stats or a.kv_cache_metrics:  # the observers back to the engine's defaults
+        yield _with_allocator(config, log_stats=True, kv_cache_metrics=False)
     if a.retention_interval is not None:  # dense caching has no rule of its own to read
         yield _with_allocator(config, retention_interval=None)
         if a.retention_interval:
@@ -231,6 +233,8 @@ def _simpler_configs(config):
         yield _with(config, lookahead=0)
     for k in _smaller(config.speculative_tokens, 0):
         yield _with_drafts(config, k)
+    if config.load_failure_policy != "recompute":
+        yield _with(config, load_failure_policy="recompute")
     if config.connector == "async":
         yield _with(config, connector="sync")
     if config.connector != "off":

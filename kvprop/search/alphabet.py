@@ -9,6 +9,7 @@ seeds, never big data — so that Hypothesis and kvprop's minimiser can reduce t
 
 from __future__ import annotations
 
+import random
 from typing import TYPE_CHECKING, ClassVar
 
 import attrs
@@ -40,6 +41,13 @@ class RandomChooser:
 
     def pick(self, options):
         return options[self.rng.randrange(len(options))]
+
+    def side(self) -> RandomChooser:
+        """Choices that leave this stream where it is: knobs added to the sampler draw from it,
+        so a walk seed keeps the configuration and operations it had (seeds quoted in notes,
+        tests and bug reports stay valid)."""
+        words = self.rng.getstate()[1]  # the state's integers: they hash alike in every process
+        return RandomChooser(random.Random(hash(words)))
 
 
 BLOCK_SIZES = (1, 2, 4, 3, 8, 16)
@@ -87,6 +95,11 @@ def sample_config(choose) -> EngineConfig:
         groups[-1] = attrs.evolve(groups[-1], checkpoint=choose.pick((None, 1, 1, 4)))
     # the full report (hits announced again) in half the shapes with events
     report = "full" if events and choose.integer(0, 1) else "incremental"
+    # vLLM's default for a failed load ends its request, in half the shapes whose loads can fail;
+    # the observers of vLLM's manager off or on one time in four (defaults: statistics on, metrics off)
+    side = choose.side()
+    policy = "fail" if connector == "async" and side.integer(0, 1) else "recompute"
+    log_stats, metrics = side.integer(0, 3) > 0, side.integer(0, 3) == 0
     return EngineConfig(
         allocator=AllocatorConfig(
             tuple(groups),
@@ -96,12 +109,15 @@ def sample_config(choose) -> EngineConfig:
             enable_kv_cache_events=events,
             hash_unit=hash_unit,
             kv_cache_report_mode=report,
+            log_stats=log_stats,
+            kv_cache_metrics=metrics,
         ),
         token_budget=token_budget,
         lookahead=lookahead,
         connector=connector,
         vocab=4,
         speculative_tokens=speculative,
+        load_failure_policy=policy,
     )
 
 

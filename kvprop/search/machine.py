@@ -44,6 +44,10 @@ class HypothesisChooser:
     def pick(self, options):
         return self.draw(st.sampled_from(options))
 
+    def side(self) -> HypothesisChooser:
+        """The same stream: Hypothesis shrinks every draw, wherever it comes from."""
+        return self
+
 
 @st.composite
 def configs(draw):

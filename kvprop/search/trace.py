@@ -96,11 +96,14 @@ def config_to_dict(config: EngineConfig) -> dict:
         "enable_kv_cache_events": a.enable_kv_cache_events,
         "hash_unit": a.hash_unit,
         "kv_cache_report_mode": a.kv_cache_report_mode,
+        "log_stats": a.log_stats,
+        "kv_cache_metrics": a.kv_cache_metrics,
         "token_budget": config.token_budget,
         "lookahead": config.lookahead,
         "connector": config.connector,
         "vocab": config.vocab,
         "speculative_tokens": config.speculative_tokens,
+        "load_failure_policy": config.load_failure_policy,
     }
 
 
@@ -143,11 +146,14 @@ CONFIG_FIELDS = (
     "enable_kv_cache_events",
     "hash_unit",
     "kv_cache_report_mode",
+    "log_stats",
+    "kv_cache_metrics",
     "token_budget",
     "lookahead",
     "connector",
     "vocab",
     "speculative_tokens",
+    "load_failure_policy",
 )
 
 
@@ -179,12 +185,15 @@ def config_from_dict(d) -> EngineConfig:
                 enable_kv_cache_events=_optional(d, "enable_kv_cache_events", False, bool),
                 hash_unit=_optional(d, "hash_unit", None, (int, type(None))),  # absent before: the block size
                 kv_cache_report_mode=_optional(d, "kv_cache_report_mode", "incremental", str),
+                log_stats=_optional(d, "log_stats", True, bool),
+                kv_cache_metrics=_optional(d, "kv_cache_metrics", False, bool),
             ),
             token_budget=_require(d, "token_budget", "config", int),
             lookahead=_require(d, "lookahead", "config", int),
             connector=_require(d, "connector", "config", str),
             vocab=_require(d, "vocab", "config", int),
             speculative_tokens=_optional(d, "speculative_tokens", 0, int),  # absent before drafts were modelled
+            load_failure_policy=_optional(d, "load_failure_policy", "recompute", str),  # absent before: recompute
         )
     except ConfigError as e:
         raise TraceError(f"config: {e}") from e

@@ -263,7 +263,8 @@ class Engine:
         return self.boundary.take_events()
 
     def finish_load(self, request_id: str, ok: bool) -> None:
-        """An asynchronous load completes (``ok``) or fails; failure means recompute."""
+        """An asynchronous load completes (``ok``) or fails: the request then starts again without
+        the connector ("recompute") or ends with an error ("fail")."""
         request = self.loading.get(request_id)
         if request is None:
             raise RequestError(f"finish_load: no load in flight for {request_id!r}; in flight: {sorted(self.loading)}")
@@ -281,6 +282,11 @@ class Engine:
             request.status = Status.LOADED
             self.loaded.append(request)
             self.loaded.sort(key=lambda r: self.admitted_at[r.request_id])
+        elif self.config.load_failure_policy == "fail":
+            # vLLM's default policy: the request ends with an error (FINISHED_ERROR)
+            self._free(request)
+            self._retire(request, Status.FAILED)
+            self.events[EV_LOAD_FAIL] += 1
         else:
             self._free(request)
             request.load_failed = True

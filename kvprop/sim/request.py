@@ -15,6 +15,7 @@ class Status(enum.Enum):
     ABORTING = "aborting"  # aborted while loading: blocks held until the load resolves
     FINISHED = "finished"
     ABORTED = "aborted"
+    FAILED = "failed"  # its load failed under the "fail" policy
 
 
 class Request:

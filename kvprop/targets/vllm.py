@@ -299,6 +299,14 @@ class Hits(tuple):
         return hits
 
 
+def _metrics_collector(v):
+    """vLLM's block residency metrics (``--kv-cache-metrics``) with every block sampled, so what
+    they observe does not depend on chance."""
+    from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
+
+    return KVCacheMetricsCollector(1.0)
+
+
 class VllmAllocator:
     """kvprop's manager-facade calls, forwarded to vLLM's ``KVCacheManager``.
 
@@ -324,8 +332,11 @@ class VllmAllocator:
             hash_block_size=config.unit,
             enable_caching=config.enable_caching,
             enable_kv_cache_events=config.enable_kv_cache_events,
+            log_stats=config.log_stats,
         )
         params = _accepted(v.KVCacheManager.__init__)
+        if config.kv_cache_metrics:
+            wanted["metrics_collector"] = _metrics_collector(v)
         if len({spec.block_size for spec in config.groups}) == 1:
             # A release whose KVCacheManager lacks one of these derives it from the
             # kv_cache_config itself, and with one block size B in every group that is B,

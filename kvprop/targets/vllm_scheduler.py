@@ -219,7 +219,7 @@ class SchedulerEngine(OffloadWorker, Engine):
         elif vreq.is_finished():
             # the tokens of its last output, which vLLM may have cached a block of before freeing
             self._catch_up(request, vreq)
-            self._end(request, aborted=vreq.status == self.s.RequestStatus.FINISHED_ABORTED)
+            self._end(request, self._status(vreq.status))
         else:
             request.num_preemptions += 1
             self._wait_again(request, EV_PREEMPT)
@@ -237,9 +237,18 @@ class SchedulerEngine(OffloadWorker, Engine):
             self.waiting.remove(request)
         return loading
 
-    def _end(self, request, aborted: bool) -> None:
-        self._retire(request, Status.ABORTED if aborted else Status.FINISHED)
-        if self.report is not None and not aborted:
+    def _status(self, vllm_status) -> Status:
+        """kvprop's record of how vLLM ended a request: an error is a failed load ("fail" policy)."""
+        statuses = self.s.RequestStatus
+        if vllm_status == statuses.FINISHED_ABORTED:
+            return Status.ABORTED
+        return Status.FAILED if vllm_status == statuses.FINISHED_ERROR else Status.FINISHED
+
+    def _end(self, request, status: Status) -> None:
+        self._retire(request, status)
+        if status is Status.FAILED:
+            self.events[EV_LOAD_FAIL] += 1
+        elif self.report is not None and status is Status.FINISHED:
             self.report.finished.append(request.request_id)
 
     def _forget_worker(self, request) -> None:
@@ -314,7 +323,7 @@ class SchedulerEngine(OffloadWorker, Engine):
             return
         # vLLM ended it without freeing anything through its manager: it ends all the same
         self._leave(request)
-        self._end(request, aborted=status == self.s.RequestStatus.FINISHED_ABORTED)
+        self._end(request, self._status(status))
 
     def preempt(self, request_id: str) -> None:
         from kvprop.errors import RequestError

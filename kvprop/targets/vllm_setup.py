@@ -219,11 +219,14 @@ def build_scheduler(config: EngineConfig):
                 kv_connector="OffloadingConnector",
                 kv_role="kv_both",
                 kv_connector_extra_config={"cpu_bytes_to_use": 2 * alloc.num_blocks * _cpu_block_bytes(sum(page))},
-                # a failed load is recomputed (the default fails the request instead)
-                kv_load_failure_policy="recompute",
+                kv_load_failure_policy=config.load_failure_policy,
             )
         if alloc.enable_kv_cache_events:
             extra["kv_events_config"] = vc.KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        if alloc.kv_cache_metrics:  # block residency metrics, every block sampled
+            extra["observability_config"] = _build(
+                vc.ObservabilityConfig, "ObservabilityConfig", kv_cache_metrics=True, kv_cache_metrics_sample=1.0
+            )
         vllm_config = vc.VllmConfig(
             model_config=model,
             cache_config=cache,
@@ -256,7 +259,7 @@ def build_scheduler(config: EngineConfig):
                 kv_cache_config=kv_cache_config,
                 structured_output_manager=s.StructuredOutputManager(vllm_config),
                 block_size=bs,
-                log_stats=True,  # a served engine logs statistics unless told not to (--disable-log-stats)
+                log_stats=alloc.log_stats,
                 **units,
             )
     except ConfigError:
