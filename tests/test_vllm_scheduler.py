@@ -98,12 +98,17 @@ def known_kinds() -> set:
 
 
 def test_walks_find_nothing_but_the_triaged_bugs():
-    """Mostly run, too: a release may refuse a shape itself (0.23.0: retention without a sliding
-    window), which is counted, not run."""
-    results = [run_walk(seed, target="vllm-scheduler") for seed in runnable_seeds(25)]
+    """Twelve walks that run (five on 0.22.1, which has no prefix-cache retention and refuses
+    every shape the sampler gives an interval): a release may refuse a shape itself (0.23.0:
+    retention without a sliding window, and its offloading connector asserts that every group
+    is full attention or a window), which is passed over, within 60 seeds."""
+    wanted, results = (12 if RELEASE >= (0, 23) else 5), []
+    for seed in runnable_seeds(60):
+        results.append(run_walk(seed, target="vllm-scheduler"))
+        if sum(r.steps_run > 0 for r in results) == wanted:
+            break
     assert {r.failure.kind for r in results if r.failure} <= known_kinds()
-    # 0.22.1 has no prefix-cache retention and refuses every shape the sampler gives an interval
-    assert sum(r.steps_run > 0 for r in results) >= (12 if RELEASE >= (0, 23) else 5)
+    assert sum(r.steps_run > 0 for r in results) == wanted
 
 
 def test_the_canary_is_found_through_vllms_scheduler():
