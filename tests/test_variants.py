@@ -76,6 +76,7 @@ CAUGHT_WITHOUT_GUARDS = {
     "checkpoint-keyed-late": "cached-block-lost-hash",
     "checkpoint-chunk-past-block": "data-mismatch",
     "reannounces-every-position": "events-reannounce-unheld",
+    "eagle-keeps-last-block": "hit-too-long",
 }
 
 

@@ -363,6 +363,28 @@ def test_the_residency_metrics_sample_every_block_of_vllms_pool():
     assert allocator.manager.block_pool.metrics_collector.sample_rate == 1.0
 
 
+def test_the_eagle_drop_reaches_vllms_manager():
+    allocator, _ = make_target(AllocatorConfig((FullAttention(4),), 8, eagle=True))
+    assert allocator.manager.use_eagle is True
+
+
+@pytest.mark.skipif(RELEASE >= (0, 33), reason="0.33.0 looks one block past the candidate, as kvprop models")
+def test_the_eagle_drop_in_a_hybrid_model_is_refused_before_0_33():
+    with pytest.raises(ConfigError, match="no eagle_proof_margin"):
+        make_target(AllocatorConfig((FullAttention(4), SlidingWindow(4, 8)), 16, eagle=True))
+
+
+def eagle_seeds(count: int) -> list[int]:
+    """Walk seeds the sampler gives the EAGLE drop (two groups only where the release's rules are 0.33.0's)."""
+    seeds, seed = [], 0
+    while len(seeds) < count:
+        allocator = plan(seed).config.allocator
+        if allocator.eagle and (RELEASE >= (0, 33) or len(allocator.groups) == 1):
+            seeds.append(seed)
+        seed += 1
+    return seeds
+
+
 # the rules of a release that kvprop fixes (README, finds): kvprop runs as them to compare the rest
 KNOWN_RULES = {
     (0, 30): "reannounces-every-position",
@@ -386,3 +408,16 @@ def test_kvprop_and_vllm_agree_step_for_step():
         reference_variant=KNOWN_RULES.get(RELEASE),
     )
     assert (result.disagreement, result.walks) == (None, 40)
+
+
+@needs_fix
+def test_kvprop_and_vllm_agree_step_for_step_with_the_eagle_drop():
+    result = agree(
+        "vllm",
+        eagle_seeds(20),
+        no_junction=RELEASE < (0, 30),
+        no_checkpoints=RELEASE < (0, 33),
+        incremental_report=RELEASE < (0, 30),
+        reference_variant=KNOWN_RULES.get(RELEASE),
+    )
+    assert (result.disagreement, result.walks) == (None, 20)

@@ -30,6 +30,7 @@ class KVCacheCoordinator:
         for manager in self.managers:
             manager.unit = config.unit
             manager.alignment = config.unit if config.partial_hits else manager.block_size
+            manager.eagle = config.eagle
         groups = config.groups
         self.lookup_order = sorted(range(len(groups)), key=lambda g: not isinstance(groups[g], FullAttention))
 
@@ -45,19 +46,33 @@ class KVCacheCoordinator:
         found: list = [None] * len(self.managers)
         lengths = [0] * len(self.managers)
         length, first = max_length, None
+        # The EAGLE drop: a group looks one block past the candidate (as far as the request is
+        # hashed) and gives the last block back, once per candidate; a length that shrinks
+        # without a drop asks every group again. Two groups, full attention first: one pass.
+        dropped: set = set()
+        hashed = len(block_hashes) * self.block_size
+        one_pass = len(self.managers) == 2 and isinstance(self.config.groups[self.lookup_order[0]], FullAttention)
         while True:
             candidate = length
             for g in self.lookup_order:
                 if found[g] is not None and isinstance(self.config.groups[g], FullAttention):
                     candidate = min(candidate, lengths[g])
                     continue
-                found[g], candidate = self.managers[g].find_hit(block_hashes, units, candidate)
-                lengths[g] = candidate
+                drop = self.config.eagle and g not in dropped
+                limit = min(candidate + self.block_size, hashed) if drop else candidate
+                found[g], hit = self.managers[g].find_hit(block_hashes, units, limit, drop)
+                if drop:
+                    dropped.add(g)
+                elif hit < candidate:
+                    dropped.clear()
+                candidate = lengths[g] = hit
                 if first is None:
                     first = candidate
             if candidate == length:
                 break
             length = candidate
+            if one_pass:
+                break
         for g, spec in enumerate(self.config.groups):
             if isinstance(spec, FullAttention):
                 del found[g][cdiv(length, self.block_size) :]
@@ -146,7 +161,7 @@ class UnitaryCoordinator(KVCacheCoordinator):
     """A single group: its own hit is final, no fixed point to find."""
 
     def find_longest_cache_hit(self, block_hashes, max_length, unit_hashes=None):
-        hits, length = self.managers[0].find_hit(block_hashes, block_hashes, max_length)
+        hits, length = self.managers[0].find_hit(block_hashes, block_hashes, max_length, self.config.eagle)
         return (hits,), length, 0
 
 

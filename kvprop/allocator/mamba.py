@@ -70,7 +70,7 @@ class MambaManager(SingleTypeManager):
                 return [self.null_block] * i + [block]
         return []
 
-    def find_hit(self, block_hashes: list[int], unit_hashes: list[int], max_length: int):
+    def find_hit(self, block_hashes: list[int], unit_hashes: list[int], max_length: int, drop: bool = False):
         """When hits may end inside a block: the rightmost cached state at any hash-unit boundary."""
         if not self.fine_grained:
             return super().find_hit(block_hashes, unit_hashes, max_length)

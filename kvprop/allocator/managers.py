@@ -41,12 +41,14 @@ class SingleTypeManager:
         self.unit = spec.block_size
         self.partial_hit: dict[str, tuple[int, Block]] = {}
         self.pending_copies: list[tuple[Block, Block]] = []
+        self.eagle = False  # the EAGLE drop (the coordinator sets it from the configuration)
 
     def find_longest_cache_hit(self, block_hashes: list[int], max_length: int) -> list[Block]:
         raise NotImplementedError
 
-    def find_hit(self, block_hashes: list[int], unit_hashes: list[int], max_length: int):
-        """(hit blocks, hit length in tokens); only a fine-grained lookup ends inside a block."""
+    def find_hit(self, block_hashes: list[int], unit_hashes: list[int], max_length: int, drop: bool = False):
+        """(hit blocks, hit length in tokens); only a fine-grained lookup ends inside a block.
+        ``drop``: the EAGLE drop, for the groups that have one (full attention, windows)."""
         hits = self.find_longest_cache_hit(block_hashes, max_length)
         return hits, len(hits) * self.block_size
 
@@ -200,10 +202,13 @@ class FullAttentionManager(SingleTypeManager):
             hits.append(block)
         return hits
 
-    def find_hit(self, block_hashes: list[int], unit_hashes: list[int], max_length: int):
+    def find_hit(self, block_hashes: list[int], unit_hashes: list[int], max_length: int, drop: bool = False):
         """Full blocks from the start, then, when hits may end inside a block, the longest
-        cached boundary inside the next one, probed from its end."""
+        cached boundary inside the next one, probed from its end. ``drop``: the last block
+        goes back (the EAGLE drop; hits end on block boundaries with it)."""
         hits = self.find_longest_cache_hit(block_hashes, max_length)
+        if drop:
+            return hits[:-1], max(len(hits) - 1, 0) * self.block_size
         length = len(hits) * self.block_size
         if not self.fine_grained:
             return hits, length
@@ -236,15 +241,24 @@ class FullAttentionManager(SingleTypeManager):
 
 class SlidingWindowManager(SingleTypeManager):
     def kept_mask(self, request, start: int, end: int) -> list[bool]:
-        return kept_block_mask(self.spec, self.retention_interval, resume_boundaries(request), start, end)
+        return kept_block_mask(self.spec, self.retention_interval, resume_boundaries(request), start, end, self.eagle)
 
-    def find_longest_cache_hit(self, block_hashes: list[int], max_length: int) -> list[Block]:
-        """Scan from the right for the last run of blocks that covers a full window.
+    def find_hit(self, block_hashes: list[int], unit_hashes: list[int], max_length: int, drop: bool = False):
+        """With the EAGLE drop, the run must be one block longer, which then goes back: the
+        window of the hit's next token stays covered (vLLM's ``_contiguous_blocks_for_hit``)."""
+        if not drop:
+            return super().find_hit(block_hashes, unit_hashes, max_length)
+        hits = self.find_longest_cache_hit(block_hashes, max_length, self.spec.hit_blocks_needed + 1)[:-1]
+        return hits, len(hits) * self.block_size
+
+    def find_longest_cache_hit(self, block_hashes: list[int], max_length: int, need: int | None = None) -> list[Block]:
+        """Scan from the right for the last run of ``need`` blocks (those covering a full
+        window by default).
 
         Blocks before the run are never attended again, so they become null blocks; a run
         that starts at block 0 is a hit even when shorter than the window.
         """
-        need = self.spec.hit_blocks_needed
+        need = self.spec.hit_blocks_needed if need is None else need
         num_blocks = min(max_length // self.block_size, len(block_hashes))
         found: list[Block | None] = [None] * num_blocks
         run = 0

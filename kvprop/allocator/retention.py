@@ -12,8 +12,10 @@ retained hit end can use, and still counts the others as cached:
   admitted the request reported (``request.shared_prefix_boundary``);
 - interval I > 0: those, and every multiple of I.
 
-kvprop has one block size and no EAGLE drop, so vLLM's alignment unit is the block size
-and its EAGLE shift is 0.
+kvprop has one block size, so vLLM's alignment unit is the block size. The EAGLE drop
+(``AllocatorConfig.eagle``) makes a hit need one block more, past its end; it is modelled
+with dense retention only, where that one block makes even a one-token window's blocks
+worth a hash (its shift of the retained tails waits for the other intervals).
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ def resume_boundaries(request) -> tuple[int, ...]:
     return (request.num_prompt_tokens - 1, junction) if junction > 0 else (request.num_prompt_tokens - 1,)
 
 
-def kept_block_mask(spec, interval: int | None, boundaries, start: int, end: int) -> list[bool]:
+def kept_block_mask(spec, interval: int | None, boundaries, start: int, end: int, eagle: bool = False) -> list[bool]:
     """For block indices ``start..end-1`` of a sliding-window group: whether the block is hashed."""
     bs, need = spec.block_size, spec.hit_blocks_needed
     if interval is None:
-        return [need > 0] * (end - start)
+        return [need + eagle > 0] * (end - start)
     per = interval // bs
     tails = set()
     for boundary in boundaries:

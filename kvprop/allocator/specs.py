@@ -222,6 +222,24 @@ def _check_hash_unit(instance, attribute, value):
         )
 
 
+def _check_eagle(config) -> None:
+    """The shapes whose EAGLE drop is modelled: full attention and sliding windows (vLLM asserts
+    that no chunked-local group drops; a state group's chunking and checkpoints move with the
+    drop, not modelled yet), at most two groups (vLLM looks equal specs up together, which with
+    more groups changes how often a group drops), and dense retention beside a window (the
+    kept tails shift by the drop, not modelled yet)."""
+    kinds = [type(spec).__name__ for spec in config.groups]
+    problem = None
+    if any(kind not in ("FullAttention", "SlidingWindow") for kind in kinds):
+        problem = f"groups of FullAttention and SlidingWindow only, got {kinds}"
+    elif len(kinds) > 2:
+        problem = f"at most two groups, got {len(kinds)}"
+    elif "SlidingWindow" in kinds and config.retention_interval is not None:
+        problem = f"retention_interval None beside a sliding window, got {config.retention_interval}"
+    if problem is not None:
+        raise ConfigError(f"AllocatorConfig.eagle needs {problem} (docs/design.md §2 'The EAGLE drop')")
+
+
 @attrs.frozen
 class AllocatorConfig:
     """The allocator's shape: groups sharing one pool of ``num_blocks`` (block 0 is the null block).
@@ -234,7 +252,9 @@ class AllocatorConfig:
     block size, hits may end inside a block (docs/design.md §2 "Hits inside a block").
     ``kv_cache_report_mode`` "full" is what every request asks for: the events then also
     announce again the blocks each hit reuses (vLLM's per-request ``kv_cache_report_mode``).
-    ``log_stats`` (prefix-cache hit statistics; a served engine keeps them unless started with
+    ``eagle`` is vLLM's EAGLE/MTP block drop (``use_eagle``): a drafter's KV at a block's last
+    position depends on the token after it, so a hit gives back its last block (docs/design.md
+    §2 "The EAGLE drop"). ``log_stats`` (prefix-cache hit statistics; a served engine keeps them unless started with
     ``--disable-log-stats``) and ``kv_cache_metrics`` (``--kv-cache-metrics``: block residency
     metrics, every block sampled) only observe: kvprop's allocator has nothing to do for them,
     a vLLM target builds its manager with them, so their hooks in its block pool run too."""
@@ -246,6 +266,7 @@ class AllocatorConfig:
     enable_kv_cache_events: bool = attrs.field(default=False, validator=_check_bool, kw_only=True)
     hash_unit: int | None = attrs.field(default=None, validator=_check_hash_unit, kw_only=True)
     kv_cache_report_mode: str = attrs.field(default="incremental", validator=_check_report_mode, kw_only=True)
+    eagle: bool = attrs.field(default=False, validator=_check_bool, kw_only=True)
     log_stats: bool = attrs.field(default=True, validator=_check_bool, kw_only=True)
     kv_cache_metrics: bool = attrs.field(default=False, validator=_check_bool, kw_only=True)
 
@@ -266,6 +287,8 @@ class AllocatorConfig:
                 f"AllocatorConfig.groups: every Mamba group must have the same checkpoint, got "
                 f"{sorted(checkpoints, key=repr)}"
             )
+        if self.eagle:
+            _check_eagle(self)
         if self.num_blocks * self.block_size > MAX_SLOTS:
             raise ConfigError(
                 f"AllocatorConfig: num_blocks x block_size must be <= {MAX_SLOTS:,} slots of paged memory, "

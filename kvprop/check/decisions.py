@@ -12,6 +12,8 @@ freed first). Between the two bounds either answer is the target's to choose.
 
 from __future__ import annotations
 
+import attrs
+
 from kvprop.allocator.checkpoint import chunk_checkpoint
 from kvprop.allocator.specs import ChunkedLocal, FullAttention, Mamba, SlidingWindow, cdiv
 from kvprop.errors import Violation
@@ -134,12 +136,17 @@ def allocation_decision(request, bounds, accepted: bool) -> None:
         )
 
 
-def _group_hit(spec, cached, group: int, hashes, max_length: int, units=None, unit: int = 0) -> int:
+def _group_hit(spec, cached, group: int, hashes, max_length: int, units=None, unit: int = 0, drop=False) -> int:
     """Hit tokens group ``group`` allows within ``max_length`` tokens (kvprop's spec rules).
     ``units``/``unit``: the request's per-unit hashes and the unit, when hits may end inside a
     block: a state is then restored at any unit boundary whose key is cached, and full
-    attention's run of cached blocks extends into the next block as far as a key there reaches."""
+    attention's run of cached blocks extends into the next block as far as a key there reaches.
+    ``drop``: the EAGLE drop (full attention and windows): one more block must be cached
+    past the hit."""
     bs = spec.block_size
+    if drop:  # a window's run one block wider (full attention's: as it is), less its last block
+        wider = attrs.evolve(spec, window=spec.window + bs) if isinstance(spec, SlidingWindow) else spec
+        return max(_group_hit(wider, cached, group, hashes, max_length) - bs, 0)
     n = min(max_length // bs, len(hashes))
     if isinstance(spec, Mamba) and units is not None:
         m = min(max_length // unit, len(units))
@@ -187,6 +194,8 @@ def longest_hit(engine, request) -> int:
     length = request.num_tokens - 1
     allocator = engine.config.allocator
     units, unit = (request.unit_hashes, allocator.unit) if allocator.partial_hits else (None, 0)
+    if allocator.eagle:
+        return _eagle_hit(engine.specs, cached, request.block_hashes, length)
     # Full attention's hit is downward-closed: whatever it covers at the limit, it covers below.
     full = {
         g: _group_hit(spec, cached, g, request.block_hashes, length, units, unit)
@@ -202,6 +211,37 @@ def longest_hit(engine, request) -> int:
                 candidate = _group_hit(spec, cached, g, request.block_hashes, candidate, units, unit)
         if candidate == length:
             return length
+        length = candidate
+
+
+def _eagle_hit(specs, cached, hashes, limit: int) -> int:
+    """The hit with the EAGLE drop (vLLM 0.33.0's coordinators; docs/design.md §2 "The EAGLE
+    drop"). One group: its hit within ``limit``, dropped. Two: full attention first, each group
+    that has not dropped at this candidate looks one block further (within what is hashed) and
+    drops; a length that shrinks without a drop asks again; with full attention first, one pass."""
+    if len(specs) == 1:
+        return _group_hit(specs[0], cached, 0, hashes, limit, drop=True)
+    bs, hashed = specs[0].block_size, len(hashes) * specs[0].block_size
+    order = sorted(range(len(specs)), key=lambda g: not isinstance(specs[g], FullAttention))
+    one_pass = isinstance(specs[order[0]], FullAttention)
+    length, full, dropped = limit, {}, set()
+    while True:
+        candidate = length
+        for g in order:
+            if g in full:
+                candidate = min(candidate, full[g])
+                continue
+            drop = g not in dropped
+            hit = _group_hit(specs[g], cached, g, hashes, min(candidate + bs, hashed) if drop else candidate, drop=drop)
+            if isinstance(specs[g], FullAttention):
+                full[g] = hit
+            if drop:
+                dropped.add(g)
+            elif hit < candidate:
+                dropped.clear()
+            candidate = hit
+        if candidate == length or one_pass:
+            return candidate
         length = candidate
 
 

@@ -266,7 +266,7 @@ def check_tables(
     passes the requests whose tables or progress changed)."""
     bs, null, lookahead = view.block_size, view.null_block_id, engine.config.lookahead
     speculative = engine.config.speculative_tokens
-    interval = engine.config.allocator.retention_interval
+    interval, eagle = engine.config.allocator.retention_interval, engine.config.allocator.eagle
     requests = engine.requests
 
     def admitted(rid):
@@ -333,10 +333,12 @@ def check_tables(
                     groups=[g],
                 )
             cached_count_covers(rid, g, table, request.block_hashes, keys, num_cached, null)
-            cached_prefix_keys(rid, g, spec, interval, request, table, keys, num_cached, null)
+            cached_prefix_keys(rid, g, spec, interval, request, table, keys, num_cached, null, eagle)
 
 
-def cached_prefix_keys(rid, g: int, spec, interval, request, table, keys, num_cached: int, null: int) -> None:
+def cached_prefix_keys(
+    rid, g: int, spec, interval, request, table, keys, num_cached: int, null: int, eagle: bool = False
+) -> None:
     """6. Every real block a table counts as cached carries the request's own hash there.
 
     Retention lets a block no served hit can use be counted as cached without a hash
@@ -346,7 +348,7 @@ def cached_prefix_keys(rid, g: int, spec, interval, request, table, keys, num_ca
     prefix = table[:num_cached]
     if [keys[b] for b in prefix] == [None if b == null else (h, g) for b, h in zip(prefix, request.block_hashes)]:
         return
-    retained = retained_indices(spec, interval, request, num_cached)
+    retained = retained_indices(spec, interval, request, num_cached, eagle)
     for i, (block_id, block_hash) in enumerate(zip(prefix, request.block_hashes)):
         if block_id == null:
             continue

@@ -21,11 +21,12 @@ from __future__ import annotations
 from kvprop.allocator.specs import Mamba, SlidingWindow
 
 
-def retained_indices(spec, interval: int | None, request, num_blocks: int):
+def retained_indices(spec, interval: int | None, request, num_blocks: int, eagle: bool = False):
     """Block indices below ``num_blocks`` that must carry their hash once counted as cached;
-    None when every one must (no retention applies to ``spec``)."""
+    None when every one must (no retention applies to ``spec``). With the EAGLE drop a window's
+    hit needs one block more (modelled with dense retention: every block then)."""
     if isinstance(spec, SlidingWindow):
-        need = spec.hit_blocks_needed
+        need = spec.hit_blocks_needed + eagle
     elif isinstance(spec, Mamba):
         need = 1  # a state hit at a boundary needs exactly the state block before it
     else:

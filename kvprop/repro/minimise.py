@@ -219,6 +219,8 @@ def _simpler_configs(config):
         yield _with_allocator(config, kv_cache_report_mode="incremental")
     if a.enable_kv_cache_events:
         yield _with_allocator(config, enable_kv_cache_events=False, kv_cache_report_mode="incremental")
+    if a.eagle:  # hits keep their last block
+        yield _with_allocator(config, eagle=False)
     if not a.log_stats or a.kv_cache_metrics:  # the observers back to the engine's defaults
         yield _with_allocator(config, log_stats=True, kv_cache_metrics=False)
     if a.retention_interval is not None:  # dense caching has no rule of its own to read

@@ -100,6 +100,9 @@ def sample_config(choose) -> EngineConfig:
     side = choose.side()
     policy = "fail" if connector == "async" and side.integer(0, 1) else "recompute"
     log_stats, metrics = side.integer(0, 3) > 0, side.integer(0, 3) == 0
+    # the EAGLE drop in half the shapes with drafts that can have it (vLLM's use_eagle: EAGLE and
+    # MTP drafters; its n-gram drafting has none)
+    eagle = bool(speculative) and _eagle_shape(groups, retention) and side.integer(0, 1) == 1
     return EngineConfig(
         allocator=AllocatorConfig(
             tuple(groups),
@@ -109,6 +112,7 @@ def sample_config(choose) -> EngineConfig:
             enable_kv_cache_events=events,
             hash_unit=hash_unit,
             kv_cache_report_mode=report,
+            eagle=eagle,
             log_stats=log_stats,
             kv_cache_metrics=metrics,
         ),
@@ -118,6 +122,14 @@ def sample_config(choose) -> EngineConfig:
         vocab=4,
         speculative_tokens=speculative,
         load_failure_policy=policy,
+    )
+
+
+def _eagle_shape(groups, retention) -> bool:
+    """Whether the EAGLE drop is modelled for this shape (``AllocatorConfig.eagle``)."""
+    kinds = {type(spec) for spec in groups}
+    return len(groups) <= 2 and kinds <= {FullAttention, SlidingWindow} and (
+        retention is None or SlidingWindow not in kinds
     )
 
 

@@ -96,6 +96,7 @@ def config_to_dict(config: EngineConfig) -> dict:
         "enable_kv_cache_events": a.enable_kv_cache_events,
         "hash_unit": a.hash_unit,
         "kv_cache_report_mode": a.kv_cache_report_mode,
+        "eagle": a.eagle,
         "log_stats": a.log_stats,
         "kv_cache_metrics": a.kv_cache_metrics,
         "token_budget": config.token_budget,
@@ -146,6 +147,7 @@ CONFIG_FIELDS = (
     "enable_kv_cache_events",
     "hash_unit",
     "kv_cache_report_mode",
+    "eagle",
     "log_stats",
     "kv_cache_metrics",
     "token_budget",
@@ -185,6 +187,7 @@ def config_from_dict(d) -> EngineConfig:
                 enable_kv_cache_events=_optional(d, "enable_kv_cache_events", False, bool),
                 hash_unit=_optional(d, "hash_unit", None, (int, type(None))),  # absent before: the block size
                 kv_cache_report_mode=_optional(d, "kv_cache_report_mode", "incremental", str),
+                eagle=_optional(d, "eagle", False, bool),
                 log_stats=_optional(d, "log_stats", True, bool),
                 kv_cache_metrics=_optional(d, "kv_cache_metrics", False, bool),
             ),

@@ -161,6 +161,14 @@ class HitStopsEarly(FullAttentionManager):
         return hits[:-1] if len(hits) >= 3 else hits
 
 
+class EagleKeepsLastBlock(FullAttentionManager):
+    """Ignores the EAGLE drop: the hit keeps the block whose last drafter KV depends on a token
+    past the hit (and, looking one block further in a hybrid model, may even end past it)."""
+
+    def find_hit(self, block_hashes, unit_hashes, max_length, drop=False):
+        return super().find_hit(block_hashes, unit_hashes, max_length)
+
+
 class FreeKeepsCachedCount(SingleTypeManager):
     """Freeing a request forgets its table but keeps its cached-block count."""
 
@@ -439,6 +447,11 @@ VARIANTS = {
             "checkpoint-chunk-past-block",
             "a chunk saving a checkpoint runs past the block boundary after its start",
             engine=CheckpointChunkPastBlock,
+        ),
+        Variant(
+            "eagle-keeps-last-block",
+            "with the EAGLE drop, the full-attention hit keeps its last block",
+            parts=_with_manager(FullAttention, EagleKeepsLastBlock),
         ),
         Variant(
             "free-keeps-cached-count",

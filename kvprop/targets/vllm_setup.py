@@ -125,6 +125,11 @@ def refusal(config: EngineConfig) -> str | None:
             f"with {config.speculative_tokens} drafts vLLM's scheduler needs a token budget of at least "
             f"{1 + config.speculative_tokens} (token_budget={config.token_budget})"
         )
+    if config.allocator.eagle:
+        return (
+            "the EAGLE drop is not driven through vLLM's scheduler (eagle must be False): it drafts by "
+            "n-grams here, and an EAGLE or MTP drafter needs a draft model's configuration"
+        )
     if config.connector != "off" and any(isinstance(spec, Mamba) for spec in config.allocator.groups):
         if not _takes_connector_with_state_groups():
             return "this vLLM's scheduler does not take a KV connector with a Mamba group (it asserts so)"
