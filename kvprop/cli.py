@@ -101,13 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(func=func)
         return sp
 
-    def target_args(sp, variant_help="bug variant of kvprop's allocator (see `kvprop variants`); kvprop target only"):
+    def target_args(
+        sp, variant_help="bug variant of kvprop's allocator (see `kvprop variants`); kvprop target only", more=""
+    ):
         sp.add_argument("--variant", default=None, help=variant_help)
         sp.add_argument(
             "--target",
             default=None,
             help="'kvprop' (default), 'vllm' (vLLM's KVCacheManager), 'vllm-scheduler' (vLLM's Scheduler), "
-            "or package.module:factory",
+            "or package.module:factory" + more,
         )
         sp.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present, else cpu)")
 
@@ -174,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     cov.add_argument("--max-ops", type=operations, default=200, help="operations per walk")
     cov.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     cov.add_argument("--html", default=None, metavar="DIR", help="also write coverage.py's HTML report into DIR")
-    target_args(cov)
+    target_args(cov, more="; 'vllm+vllm-scheduler' alternates walks between vLLM's two targets")
 
     ag = command("agree", c.cmd_agree, "walk kvprop's allocator and a target side by side (exit 1: they disagree)")
     ag.add_argument("--target", required=True, help="'vllm' or package.module:factory")

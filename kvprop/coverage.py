@@ -418,9 +418,30 @@ def tabulate(cov, sc: Scope):
 # ---- the measurement ------------------------------------------------------------------------
 
 
+VLLM_TARGETS = ("vllm", "vllm-scheduler")
+
+
+def targets_of(target) -> list:
+    """The targets a measurement walks: ``A+B`` alternates walks between vLLM's two targets
+    (what the harness reaches of vLLM's KV core, driven both ways); anything else is one."""
+    if not isinstance(target, str) or "+" not in target:
+        return [target]
+    names = target.split("+")
+    if len(set(names)) != len(names) or not set(names) <= set(VLLM_TARGETS):
+        raise ConfigError(
+            f"target {target!r}: several targets must be distinct ones of {list(VLLM_TARGETS)}, joined by '+'"
+        )
+    return names
+
+
 def check(target=None, variant=None, seconds: float = 60.0, driver: str = "walk", max_ops: int = 200) -> Scope:
     """The measured files, after checking the arguments that need no import of the target;
     bad input is a ConfigError (an unknown variant is found by ``measure``)."""
+    targets = targets_of(target)
+    if len(targets) > 1:
+        for one in targets:
+            check(one, variant, seconds, driver, max_ops)
+        return scope("vllm-scheduler" if "vllm-scheduler" in targets else "vllm")
     if driver != "walk":
         raise ConfigError(f"kvprop coverage runs the walk driver only, not {driver!r}")
     if not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds <= 0:
@@ -458,7 +479,9 @@ def measure(
         html_dir = Path(html)
         if html_dir.exists() and not html_dir.is_dir():
             raise ConfigError(f"--html {str(html)!r} is a file; give a directory")
-    _warm(target)
+    targets = targets_of(target)
+    for one in targets:
+        _warm(one)
     imported_before = _imported_before(sc.files)
     cov = coverage.Coverage(branch=True, include=list(sc.include), data_file=None, config_file=False)
     cov.set_option("run:disable_warnings", ["no-data-collected", "module-not-imported", "module-not-measured"])
@@ -474,8 +497,9 @@ def measure(
             from kvprop.search.fuzz import probe
             from kvprop.targets import load_factory
 
-            load_factory(target)
-            probe(target, variant, device)
+            for one in targets:
+                load_factory(one)
+                probe(one, variant, device)
         if device is not None:
             from kvprop.sim.memory import pick_device
 
@@ -484,7 +508,8 @@ def measure(
 
         started = last = time.monotonic()
         while True:
-            result = run_walk(walk_seed(seed, 0, runs), variant, target, device=device, max_ops=max_ops)
+            one = targets[runs % len(targets)]  # walk i's seed on one target, walk i + 1's on the next
+            result = run_walk(walk_seed(seed, 0, runs), variant, one, device=device, max_ops=max_ops)
             runs += 1
             steps += result.steps_run
             finds += result.failure is not None

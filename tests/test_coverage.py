@@ -181,6 +181,10 @@ def test_measure_in_process_and_render():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_a_measurement_of_both_vllm_targets_walks_each_in_turn():
+    assert (kc.targets_of("vllm+vllm-scheduler"), kc.targets_of("vllm")) == (["vllm", "vllm-scheduler"], ["vllm"])
+
+
 def test_vllm_target_without_vllm_exits_2_with_how_to_install():
     r = kvprop("coverage", "--target", "vllm", "--seconds", "1")
     assert r.returncode == 2, r.stdout + r.stderr
@@ -195,6 +199,7 @@ def test_vllm_target_without_vllm_exits_2_with_how_to_install():
         (["--target", "no_such_module.x:f"], "cannot import 'no_such_module.x'"),
         (["--target", "vllm", "--variant", "hits-recached"], "applies to the kvprop target only"),
         (["--html", "setup.cfg"], "is a file; give a directory"),
+        (["--target", "vllm+kvprop"], "several targets must be distinct ones of ['vllm', 'vllm-scheduler']"),
     ],
 )
 def test_bad_input_exits_2(args, message):
