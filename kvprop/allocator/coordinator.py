@@ -36,7 +36,8 @@ class KVCacheCoordinator:
 
     def find_longest_cache_hit(self, block_hashes: list[int], max_length: int, unit_hashes=None):
         """(hits per group, hit length, junction). The length shrinks group by group until no
-        group shrinks it further; a full-attention group is looked up once and then trimmed to
+        group shrinks it further (one pass for full attention and one other group, whose answer
+        at its own hit is that hit); a full-attention group is looked up once and then trimmed to
         the final length (its hits are downward-closed), as vLLM does, so its last block may be
         one a hit ends inside. The junction is the first lookup's hit where it is longer than
         the final one: a prefix some request shares that a sliding window has not retained yet

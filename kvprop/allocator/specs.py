@@ -254,10 +254,11 @@ class AllocatorConfig:
     announce again the blocks each hit reuses (vLLM's per-request ``kv_cache_report_mode``).
     ``eagle`` is vLLM's EAGLE/MTP block drop (``use_eagle``): a drafter's KV at a block's last
     position depends on the token after it, so a hit gives back its last block (docs/design.md
-    §2 "The EAGLE drop"). ``log_stats`` (prefix-cache hit statistics; a served engine keeps them unless started with
-    ``--disable-log-stats``) and ``kv_cache_metrics`` (``--kv-cache-metrics``: block residency
-    metrics, every block sampled) only observe: kvprop's allocator has nothing to do for them,
-    a vLLM target builds its manager with them, so their hooks in its block pool run too."""
+    §2 "The EAGLE drop"). ``log_stats`` (prefix-cache hit statistics; a served engine keeps
+    them unless started with ``--disable-log-stats``) and ``kv_cache_metrics``
+    (``--kv-cache-metrics``: block residency metrics, every block sampled) only observe:
+    kvprop's allocator has nothing to do for them, a vLLM target builds its manager with them,
+    so their hooks in its block pool run too."""
 
     groups: tuple = attrs.field(converter=lambda g: tuple(g) if isinstance(g, list) else g, validator=_check_groups)
     num_blocks: int = attrs.field(validator=_int_at_least(2))
