@@ -63,12 +63,23 @@ def test_two_groups_look_one_block_past_the_candidate_before_dropping():
         ((FullAttention(BS), ChunkedLocal(BS, 2 * BS)), None, "FullAttention and SlidingWindow only"),
         ((Mamba(BS, "align"),), None, "FullAttention and SlidingWindow only"),
         ((FullAttention(BS),) * 3, None, "at most two groups, got 3"),
-        ((SlidingWindow(BS, 5),), 0, "retention_interval None beside a sliding window, got 0"),
     ],
 )
 def test_the_eagle_drop_is_refused_where_it_is_not_modelled(groups, retention, problem):
     with pytest.raises(ConfigError, match=problem):
         AllocatorConfig(groups, 32, eagle=True, retention_interval=retention)
+
+
+def test_retention_keeps_the_tail_an_eagle_hit_reads_one_block_later():
+    """Window of 5 tokens (1 block), interval 0, a 14-token prompt in blocks of 4: a resend
+    looks up to 13 tokens, 3 blocks, and drops to 8; its hit reads block 1 (the window) and
+    block 2 (past it). A longer sibling looks up to 12, the same blocks. Block 0 goes unhashed."""
+    mgr = make_allocator(AllocatorConfig((SlidingWindow(BS, 5),), 16, eagle=True, retention_interval=0))
+    a = req("A", list(range(14)), BS)
+    prefill(mgr, a)
+    mgr.cache_blocks(a, a.num_computed_tokens)
+    table = mgr.coordinator.managers[0].req_to_blocks["A"]
+    assert [b.key is not None for b in table[:3]] == [False, True, True]
 
 
 def test_a_trace_keeps_the_eagle_drop():

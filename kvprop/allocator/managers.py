@@ -241,7 +241,8 @@ class FullAttentionManager(SingleTypeManager):
 
 class SlidingWindowManager(SingleTypeManager):
     def kept_mask(self, request, start: int, end: int) -> list[bool]:
-        return kept_block_mask(self.spec, self.retention_interval, resume_boundaries(request), start, end, self.eagle)
+        boundaries = resume_boundaries(request, self.eagle)
+        return kept_block_mask(self.spec, self.retention_interval, boundaries, start, end, self.eagle)
 
     def find_hit(self, block_hashes: list[int], unit_hashes: list[int], max_length: int, drop: bool = False):
         """With the EAGLE drop, the run must be one block longer, which then goes back: the

@@ -13,33 +13,45 @@ retained hit end can use, and still counts the others as cached:
 - interval I > 0: those, and every multiple of I.
 
 kvprop has one block size, so vLLM's alignment unit is the block size. The EAGLE drop
-(``AllocatorConfig.eagle``) makes a hit need one block more, past its end; it is modelled
-with dense retention only, where that one block makes even a one-token window's blocks
-worth a hash (its shift of the retained tails waits for the other intervals).
+(``AllocatorConfig.eagle``) makes a hit at ``e`` need one block more, the one after ``e``:
+every tail ends one block later and is one block longer (vLLM's ``shift`` and
+``_contiguous_blocks_for_hit``), and the ends a later request resumes at are those an EAGLE
+lookup lands on (``replay_boundaries`` with ``use_eagle``, and the block before a junction).
 """
 
 from __future__ import annotations
 
 
-def resume_boundaries(request) -> tuple[int, ...]:
+def resume_boundaries(request, eagle: bool = False) -> tuple[int, ...]:
     """Token positions a later request replaying ``request``'s prompt may resume at: the
     prompt's last token (``replay_boundaries`` in vLLM's coordinator) and, when the lookup
-    that admitted it found one, the shared-prefix junction."""
+    that admitted it found one, the shared-prefix junction. With the EAGLE drop: a block below
+    where a resend and a longer sibling look up to, and the block before the junction too."""
     junction = getattr(request, "shared_prefix_boundary", 0)
-    return (request.num_prompt_tokens - 1, junction) if junction > 0 else (request.num_prompt_tokens - 1,)
+    prompt = request.num_prompt_tokens
+    if not eagle:
+        return (prompt - 1, junction) if junction > 0 else (prompt - 1,)
+    bs = request.block_size
+    ends = {max((prompt - 1) // bs * bs - bs, 0), max(prompt // bs * bs - bs, 0)}
+    if junction > 0:
+        ends |= {junction, junction - bs}
+    return tuple(sorted(ends))
 
 
 def kept_block_mask(spec, interval: int | None, boundaries, start: int, end: int, eagle: bool = False) -> list[bool]:
     """For block indices ``start..end-1`` of a sliding-window group: whether the block is hashed."""
-    bs, need = spec.block_size, spec.hit_blocks_needed
+    bs, need, shift = spec.block_size, spec.hit_blocks_needed + eagle, int(eagle)
     if interval is None:
-        return [need + eagle > 0] * (end - start)
+        return [need > 0] * (end - start)
     per = interval // bs
     tails = set()
     for boundary in boundaries:
-        last = boundary // bs
+        last = boundary // bs + shift
         tails.update(range(max(0, last - need), last))
-    return [i in tails or (per > 0 and (need >= per or i % per >= per - need)) for i in range(start, end)]
+    return [
+        i in tails or (per > 0 and (need >= per or (i >= shift and (i - shift) % per >= per - need)))
+        for i in range(start, end)
+    ]
 
 
 def kept_state_mask(spec, interval: int | None, boundaries, start: int, end: int) -> list[bool] | None:

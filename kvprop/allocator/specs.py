@@ -226,16 +226,13 @@ def _check_eagle(config) -> None:
     """The shapes whose EAGLE drop is modelled: full attention and sliding windows (vLLM asserts
     that no chunked-local group drops; a state group's chunking and checkpoints move with the
     drop, not modelled yet), at most two groups (vLLM looks equal specs up together, which with
-    more groups changes how often a group drops), and dense retention beside a window (the
-    kept tails shift by the drop, not modelled yet)."""
+    more groups changes how often a group drops)."""
     kinds = [type(spec).__name__ for spec in config.groups]
     problem = None
     if any(kind not in ("FullAttention", "SlidingWindow") for kind in kinds):
         problem = f"groups of FullAttention and SlidingWindow only, got {kinds}"
     elif len(kinds) > 2:
         problem = f"at most two groups, got {len(kinds)}"
-    elif "SlidingWindow" in kinds and config.retention_interval is not None:
-        problem = f"retention_interval None beside a sliding window, got {config.retention_interval}"
     if problem is not None:
         raise ConfigError(f"AllocatorConfig.eagle needs {problem} (docs/design.md §2 'The EAGLE drop')")
 

@@ -23,21 +23,28 @@ from kvprop.allocator.specs import Mamba, SlidingWindow
 
 def retained_indices(spec, interval: int | None, request, num_blocks: int, eagle: bool = False):
     """Block indices below ``num_blocks`` that must carry their hash once counted as cached;
-    None when every one must (no retention applies to ``spec``). With the EAGLE drop a window's
-    hit needs one block more (modelled with dense retention: every block then)."""
+    None when every one must (no retention applies to ``spec``).
+
+    With the EAGLE drop (windows only) a hit ending at ``e`` reads the block after ``e`` too,
+    and the hits the policy serves are those an EAGLE lookup lands on: one block below where a
+    resend of the prompt (its last token) and a longer sibling (its length) look up to, a
+    junction and the block before it."""
     if isinstance(spec, SlidingWindow):
         need = spec.hit_blocks_needed + eagle
     elif isinstance(spec, Mamba):
         need = 1  # a state hit at a boundary needs exactly the state block before it
     else:
         return None
-    bs = spec.block_size
+    bs, prompt = spec.block_size, request.num_prompt_tokens
     if interval is None:
         return None if need > 0 else frozenset()
-    ends = {(request.num_prompt_tokens - 1) // bs}
     junction = getattr(request, "shared_prefix_boundary", 0)
-    if junction > 0:
-        ends.add(junction // bs)
-    if interval > 0:
-        ends.update(range(interval // bs, num_blocks + need + 1, interval // bs))
+    if eagle:  # the hit's end, then the block the lookup read past it
+        hits = {max((prompt - 1) // bs - 1, 0), max(prompt // bs - 1, 0)}
+        hits |= {junction // bs, junction // bs - 1} if junction > 0 else set()
+        ends = {hit + 1 for hit in hits}
+    else:
+        ends = {(prompt - 1) // bs} | ({junction // bs} if junction > 0 else set())
+    if interval > 0:  # every multiple of the interval (past the block after it, with the drop)
+        ends.update(range(interval // bs + eagle, num_blocks + need + 1 + eagle, interval // bs))
     return frozenset(i for end in ends for i in range(max(0, end - need), min(end, num_blocks)))
