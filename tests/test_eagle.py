@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from helpers import prefill, req
 
-from kvprop.allocator.specs import AllocatorConfig, ChunkedLocal, FullAttention, Mamba, SlidingWindow
+from kvprop.allocator.specs import AllocatorConfig, ChunkedLocal, EngineConfig, FullAttention, Mamba, SlidingWindow
 from kvprop.errors import ConfigError
+from kvprop.search.alphabet import AddLargeRequest, AddRequest
 from kvprop.search.execute import execute
-from kvprop.search.trace import config_from_dict, config_to_dict
-from kvprop.search.walk import plan
+from kvprop.search.trace import Trace, config_from_dict, config_to_dict
 from kvprop.targets.kvprop import make_allocator
 
 BS = 4
@@ -83,35 +83,16 @@ def test_retention_keeps_the_tail_an_eagle_hit_reads_one_block_later():
 
 
 def test_a_trace_keeps_the_eagle_drop():
-    config = plan(3).config
-    config = config.__class__(AllocatorConfig((FullAttention(BS),), 8, eagle=True))
+    config = EngineConfig(AllocatorConfig((FullAttention(BS),), 8, eagle=True))
     assert config_from_dict(config_to_dict(config)).allocator.eagle is True
 
 
 def test_the_variants_minimised_trace_passes_on_the_correct_allocator():
     """Found by the walker (``kvprop fuzz --variant eagle-keeps-last-block --seed 0``) and
     minimised to two requests: the correct allocator drops the one-token hit."""
-    from kvprop.search import trace as tr
-
-    data = {
-        "format": "kvprop-trace/1",
-        "config": {
-            "groups": [{"kind": "full", "block_size": 1}],
-            "num_blocks": 4,
-            "enable_caching": True,
-            "eagle": True,
-            "token_budget": 1,
-            "lookahead": 0,
-            "connector": "off",
-            "vocab": 4,
-        },
-        "steps": [
-            {"op": "AddLargeRequest", "parent": 0, "seed": 0},
-            {"op": "AddRequest", "parent": 0, "cut": 1, "extra": 1, "seed": 0, "max_new_tokens": 1},
-        ],
-        "drain": True,
-    }
-    trace = tr.from_dict(data)
+    config = EngineConfig(AllocatorConfig((FullAttention(1),), 4, eagle=True), token_budget=1)
+    steps = (AddLargeRequest(parent=0, seed=0), AddRequest(parent=0, cut=1, extra=1, seed=0, max_new_tokens=1))
+    trace = Trace(config=config, steps=steps, seed=0, driver="walk")
     assert (execute(trace).__class__, execute(trace, variant="eagle-keeps-last-block").kind) == (
         type(None),
         "hit-too-long",

@@ -222,19 +222,17 @@ def _check_hash_unit(instance, attribute, value):
         )
 
 
-def _check_eagle(config) -> None:
-    """The shapes whose EAGLE drop is modelled: full attention and sliding windows (vLLM asserts
-    that no chunked-local group drops; a state group's chunking and checkpoints move with the
-    drop, not modelled yet), at most two groups (vLLM looks equal specs up together, which with
-    more groups changes how often a group drops)."""
-    kinds = [type(spec).__name__ for spec in config.groups]
-    problem = None
+def eagle_problem(groups) -> str | None:
+    """What the EAGLE drop needs that ``groups`` lack, or None where it is modelled: full
+    attention and sliding windows (vLLM asserts that no chunked-local group drops; a state
+    group's chunking and checkpoints move with the drop, not modelled yet), at most two groups
+    (vLLM looks equal specs up together, which with more groups changes how often a group drops)."""
+    kinds = [type(spec).__name__ for spec in groups]
     if any(kind not in ("FullAttention", "SlidingWindow") for kind in kinds):
-        problem = f"groups of FullAttention and SlidingWindow only, got {kinds}"
-    elif len(kinds) > 2:
-        problem = f"at most two groups, got {len(kinds)}"
-    if problem is not None:
-        raise ConfigError(f"AllocatorConfig.eagle needs {problem} (docs/design.md §2 'The EAGLE drop')")
+        return f"groups of FullAttention and SlidingWindow only, got {kinds}"
+    if len(kinds) > 2:
+        return f"at most two groups, got {len(kinds)}"
+    return None
 
 
 @attrs.frozen
@@ -285,8 +283,8 @@ class AllocatorConfig:
                 f"AllocatorConfig.groups: every Mamba group must have the same checkpoint, got "
                 f"{sorted(checkpoints, key=repr)}"
             )
-        if self.eagle:
-            _check_eagle(self)
+        if self.eagle and (problem := eagle_problem(self.groups)) is not None:
+            raise ConfigError(f"AllocatorConfig.eagle needs {problem} (docs/design.md §2 'The EAGLE drop')")
         if self.num_blocks * self.block_size > MAX_SLOTS:
             raise ConfigError(
                 f"AllocatorConfig: num_blocks x block_size must be <= {MAX_SLOTS:,} slots of paged memory, "

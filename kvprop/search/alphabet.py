@@ -22,6 +22,7 @@ from kvprop.allocator.specs import (
     FullAttention,
     Mamba,
     SlidingWindow,
+    eagle_problem,
 )
 
 if TYPE_CHECKING:
@@ -130,10 +131,8 @@ def _eagle_shape(groups, retention) -> bool:
     and windows, one or two groups (``AllocatorConfig.eagle``); beside a window the swarm draws it
     with dense retention only, since drawing it with every interval too left the motivating bug's
     searches in CI short of their budgets (a rate that keeps both is still to be measured)."""
-    kinds = {type(spec) for spec in groups}
-    return len(groups) <= 2 and kinds <= {FullAttention, SlidingWindow} and (
-        retention is None or SlidingWindow not in kinds
-    )
+    beside_window = any(isinstance(spec, SlidingWindow) for spec in groups)
+    return eagle_problem(groups) is None and (retention is None or not beside_window)
 
 
 def _retention(choose, groups, bs: int) -> int | None:

@@ -194,6 +194,34 @@ def eagle_refusal(config: AllocatorConfig) -> str | None:
     )
 
 
+@functools.cache
+def _has_full_report() -> bool:
+    from vllm.v1.core.block_pool import BlockPool
+
+    return hasattr(BlockPool, "emit_cached_block_events")
+
+
+def allocator_refusal(config: AllocatorConfig) -> str | None:
+    """What this release's allocator cannot take as kvprop models it, or None: the one list both
+    vLLM targets refuse from, each naming itself and the release ("takes no ...")."""
+    if config.partial_hits and (why := partial_hits_refusal()) is not None:
+        return (
+            f"no hash_unit below the block size here: {why}; hash_unit must be None or the block size, "
+            f"got {config.hash_unit}"
+        )
+    checkpoint = next((g.checkpoint for g in config.groups if getattr(g, "checkpoint", None) is not None), None)
+    if checkpoint is not None and (why := checkpoint_refusal()) is not None:
+        return f"no prefill checkpoints here: {why}; Mamba.checkpoint must be None, got {checkpoint}"
+    if config.kv_cache_report_mode == "full" and not _has_full_report():
+        return (
+            "no full KV cache report here (kv_cache_report_mode, 0.30.0 on); kv_cache_report_mode must be "
+            "'incremental', got 'full'"
+        )
+    if (why := eagle_refusal(config)) is not None:
+        return f"no EAGLE drop with two groups here: {why}"
+    return None
+
+
 def _accepted(fn) -> dict:
     """Parameter name -> default of ``fn`` (``inspect.Parameter.empty`` when required)."""
     return {name: p.default for name, p in inspect.signature(fn).parameters.items() if name != "self"}
@@ -236,13 +264,7 @@ def vllm_specs(config: AllocatorConfig, v) -> list:
             # one state tensor of 1 + g floats (its size only tells groups apart; the allocator
             # never reads it); mamba_cache_mode is the spec's mode, as vLLM's model config sets it
             checkpoints = {}
-            if spec.checkpoint is not None:
-                why = checkpoint_refusal()
-                if why is not None:
-                    raise ConfigError(
-                        f"vLLM {v.version} takes no prefill checkpoints here: {why}; Mamba.checkpoint must be "
-                        f"None, got {spec.checkpoint}"
-                    )
+            if spec.checkpoint is not None:  # (allocator_refusal has refused releases with other rules)
                 # what mamba_mixer2, GDN and KDA layers declare (0.33.0)
                 checkpoints = dict(num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=spec.checkpoint)
             specs.append(
@@ -319,7 +341,7 @@ class Hits(tuple):
         return hits
 
 
-def _metrics_collector(v):
+def _metrics_collector():
     """vLLM's block residency metrics (``--kv-cache-metrics``) with every block sampled, so what
     they observe does not depend on chance."""
     from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
@@ -357,7 +379,7 @@ class VllmAllocator:
         )
         params = _accepted(v.KVCacheManager.__init__)
         if config.kv_cache_metrics:
-            wanted["metrics_collector"] = _metrics_collector(v)
+            wanted["metrics_collector"] = _metrics_collector()
         if len({spec.block_size for spec in config.groups}) == 1:
             # A release whose KVCacheManager lacks one of these derives it from the
             # kv_cache_config itself, and with one block size B in every group that is B,
@@ -373,15 +395,9 @@ class VllmAllocator:
             for name in ("scheduler_block_size", "hash_block_size"):
                 if name not in params:
                     del wanted[name]
-        why = eagle_refusal(config)
+        why = allocator_refusal(config)
         if why is not None:
-            raise ConfigError(f"target 'vllm': vLLM {v.version} takes no EAGLE drop with two groups here: {why}")
-        why = partial_hits_refusal() if config.partial_hits else None
-        if why is not None:
-            raise ConfigError(
-                f"target 'vllm': vLLM {v.version} takes no hash_unit below the block size here: {why}; "
-                f"hash_unit must be None or the block size, got {config.hash_unit}"
-            )
+            raise ConfigError(f"target 'vllm': vLLM {v.version} takes {why}")
         missing = [
             n for n, d in params.items() if d is inspect.Parameter.empty and n not in wanted and n != "kv_cache_config"
         ]
@@ -432,11 +448,6 @@ class VllmAllocator:
         self.num_evictions = 0
         # the stored events a lookup queued (the full report), by id; holding them keeps each id theirs
         self._reannounced: dict = {}
-        if self.config.kv_cache_report_mode == "full" and not hasattr(self.pool, "emit_cached_block_events"):
-            raise ConfigError(
-                f"vLLM {self.v.version} has no full KV cache report (kv_cache_report_mode, 0.30.0 on); "
-                f"kv_cache_report_mode must be 'incremental', got 'full'"
-            )
 
     def sampling_params(self, max_tokens: int):
         """The request's sampling parameters: its token limit and, for the full report, the

@@ -26,9 +26,8 @@ from kvprop.targets.vllm import (
     _environment,
     _import_vllm,
     _retention_setting,
-    checkpoint_refusal,
+    allocator_refusal,
     importing_vllm,
-    partial_hits_refusal,
     vllm_specs,
 )
 
@@ -133,21 +132,8 @@ def refusal(config: EngineConfig) -> str | None:
     if config.connector != "off" and any(isinstance(spec, Mamba) for spec in config.allocator.groups):
         if not _takes_connector_with_state_groups():
             return "this vLLM's scheduler does not take a KV connector with a Mamba group (it asserts so)"
-    return _allocator_refusal(config.allocator)
-
-
-def _allocator_refusal(alloc) -> str | None:
-    """What the release's allocator cannot take (the targets refuse it when they build it)."""
-    if alloc.partial_hits and partial_hits_refusal() is not None:
-        return f"no hash_unit below the block size here: {partial_hits_refusal()}"
-    if any(getattr(spec, "checkpoint", None) is not None for spec in alloc.groups) and checkpoint_refusal():
-        return f"no prefill checkpoints here: {checkpoint_refusal()}"
-    if alloc.kv_cache_report_mode == "full":
-        from vllm.v1.core.block_pool import BlockPool
-
-        if not hasattr(BlockPool, "emit_cached_block_events"):
-            return "this vLLM has no full KV cache report (kv_cache_report_mode, 0.30.0 on)"
-    return None
+    why = allocator_refusal(config.allocator)
+    return None if why is None else f"this vLLM takes {why}"
 
 
 @functools.cache
@@ -249,12 +235,12 @@ def build_scheduler(config: EngineConfig):
         )
         units = {}
         if alloc.partial_hits:
-            # what the engine passes from prefix_match_unit (resolve_kv_cache_block_sizes, 0.30.0 on)
-            why = partial_hits_refusal()
-            if why is not None or "hash_block_size" not in inspect.signature(s.Scheduler).parameters:
+            # what the engine passes from prefix_match_unit (resolve_kv_cache_block_sizes, 0.30.0 on);
+            # a release whose hits inside a block follow other rules is refused before (refusal)
+            if "hash_block_size" not in inspect.signature(s.Scheduler).parameters:
                 raise ConfigError(
                     f"target 'vllm-scheduler': vLLM {v.version} takes no hash_unit below the block size here: "
-                    f"{why or 'its scheduler has no hash_block_size'}; hash_unit must be None or the block size, "
+                    f"its scheduler has no hash_block_size; hash_unit must be None or the block size, "
                     f"got {alloc.hash_unit}"
                 )
             units["hash_block_size"] = alloc.unit
