@@ -316,6 +316,20 @@ def test_full_sweep_reports_table_kind(kind, corrupt):
     assert info.value.kind == kind
 
 
+@pytest.mark.parametrize(("kind", "corrupt"), [pytest.param(k, c, id=k) for k, c in TABLE_CASES])
+def test_incremental_check_reports_table_kind(kind, corrupt):
+    """Between full sweeps a table is judged again when its entries, its cached count, its
+    request's progress or the key of a block it holds changed: here never its progress."""
+    eng = sound_engine()
+    checker = Checker(full_every=64)
+    checker.check_all(eng)  # builds the mirror and judges every table once
+    corrupt(eng)
+    with pytest.raises(Violation) as info:
+        checker.check_all(eng)
+    assert checker.num_checks % checker.full_every, "this check must be incremental, not a full sweep"
+    assert info.value.kind == kind
+
+
 # ---- the in-step hooks and liveness: each scenario sets up, then returns the action that fails ----
 
 

@@ -39,7 +39,8 @@ class AllocatorView:
 
     def further_keys(self, block_id: int) -> list:
         """The keys of ``block_id`` beyond ``cache_key`` (at hash-unit boundaries inside it)."""
-        return sorted(self.pool.extra_keys.get(block_id, ()), key=repr)
+        keys = self.pool.extra_keys.get(block_id)
+        return sorted(keys, key=repr) if keys else []
 
     def map_holds(self, key, block_id: int) -> bool:
         return block_id in self.pool.cached.get(key, ())
@@ -104,6 +105,10 @@ class AllocatorView:
     def raw_table(self, group: int, request_id: str):
         """The live table (block objects, compared by identity); never mutate it."""
         return self.managers[group].req_to_blocks.get(request_id)
+
+    def raw_tables(self, group: int):
+        """(request id, live table) of every request of ``group``; never mutate them."""
+        return list(self.managers[group].req_to_blocks.items())
 
     def block_state(self, block_id: int, old_key):
         """(ref_cnt, key, in free queue, queue links consistent, in the map under key, still in

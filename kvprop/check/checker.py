@@ -232,7 +232,8 @@ class Checker(Hooks):
                 if self.signatures.get(request.request_id) != sig:
                     self.signatures[request.request_id] = sig
                     only.add(request.request_id)
-        inv.check_tables(engine, view, self.mirror.ids, self.mirror.keys, pending or {}, admitted_now, only)
+        mirror = self.mirror
+        inv.check_tables(engine, view, mirror.ids, mirror.keys, pending or {}, admitted_now, only, mirror.verified)
         return None, self.mirror.keys, changed
 
     @staticmethod

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+import attrs
+
 from kvprop.allocator.hashing import fingerprint, state_fingerprint
 from kvprop.allocator.specs import Mamba, cdiv
 from kvprop.check.retention import retained_indices
@@ -38,11 +40,16 @@ def further_keys(view, block_id: int) -> list:
     return report(block_id) if report is not None else []
 
 
-def pending_copy_refs(view) -> Counter:
+NO_COPIES: dict = {}  # read-only: what pending_copy_refs returns while no copy is queued
+
+
+def pending_copy_refs(view) -> dict:
     """Block id -> references held for queued block copies (each holds its source and its copy
-    once); empty for a view without copies."""
+    once); empty for a view without copies. Every check asks, and copies are rare: the empty
+    answer builds nothing."""
     report = getattr(view, "pending_copies", None)
-    return Counter(block_id for pair in report() for block_id in pair) if report is not None else Counter()
+    pairs = report() if report is not None else ()
+    return Counter(block_id for pair in pairs for block_id in pair) if pairs else NO_COPIES
 
 
 # ---- per-block sentences, shared by the full sweep and the incremental checker -----------
@@ -228,11 +235,12 @@ def own_cache_key(block_hash: int, group: int):
     return (block_hash, group)
 
 
-def cached_count_covers(rid, group: int, table, hashes, keys, num_cached: int, null: int) -> None:
+def cached_count_covers(rid, group: int, table, hashes, keys, num_cached: int, null: int, start=None) -> None:
     """6. Caching resumes at the cached count, so the first real block there is not already
     cached under the request's own hash: only this request could have cached it, or it was a
-    hit, and either way the count should have covered it."""
-    for i in range(num_cached, min(len(table), len(hashes))):
+    hit, and either way the count should have covered it. ``start``: judge from there on (the
+    indices before it held when last judged)."""
+    for i in range(num_cached if start is None else max(start, num_cached), min(len(table), len(hashes))):
         block_id = table[i]
         if block_id == null:
             continue
@@ -255,15 +263,40 @@ def computed_tokens(request, pending: dict) -> int:
     return request.num_computed_tokens + request.pending_external
 
 
+@attrs.define
+class TableVerdict:
+    """What a check found true of one table, so that the next check of the same table (the
+    same list: the mirror replaces a table that changes) judges only what its progress added.
+    Facts of the table, the keys of its blocks and the request's hashes, never of its
+    progress; the mirror drops the verdict when a block of the table changes key
+    (``Mirror.verified``), and hashes only grow."""
+
+    table: list
+    request: object
+    num_cached: int
+    boundary: int  # the request's shared_prefix_boundary (retention reads it)
+    nulls_from: int  # no null block from this index on
+    covered: int  # cached_count_covers held below this index
+
+
 def check_tables(
-    engine, view, tables, keys, pending: dict, admitted_now: frozenset = frozenset(), only: set | None = None
+    engine,
+    view,
+    tables,
+    keys,
+    pending: dict,
+    admitted_now: frozenset = frozenset(),
+    only: set | None = None,
+    verified: dict | None = None,
 ) -> None:
     """6. Each admitted request has a table per group whose length fits its tokens, nulls only
     where its window skipped, real blocks where it attends, and whose cached prefix still
     carries the request's own hashes; nobody else has a table or a cached count.
 
     ``only`` restricts the per-table part to those request ids (the incremental checker
-    passes the requests whose tables or progress changed)."""
+    passes the requests whose tables or progress changed); ``verified`` (the incremental
+    checker's ``TableVerdict`` per table) lets a table judged before, unchanged but for its
+    request's progress, be judged on what the progress reaches."""
     bs, null, lookahead = view.block_size, view.null_block_id, engine.config.lookahead
     speculative = engine.config.speculative_tokens
     interval, eagle = engine.config.allocator.retention_interval, engine.config.allocator.eagle
@@ -309,8 +342,20 @@ def check_tables(
                 )
             skipped_blocks = spec.skipped_tokens(computed) // bs
             needed = _needed_entries(spec, table, skipped_blocks, computed)
-            # a slice searched in C decides; the generator names the first offending index
-            held = table[needed.start :] if isinstance(needed, range) else [table[i] for i in needed]
+            verdict = verified.get((rid, g)) if verified is not None else None
+            if verdict is not None and not (
+                verdict.table is table
+                and verdict.request is request
+                and verdict.num_cached == num_cached
+                and verdict.boundary == request.shared_prefix_boundary
+            ):
+                verdict = None
+            ranged = isinstance(needed, range)
+            if ranged and verdict is not None and needed.start >= verdict.nulls_from:
+                held = ()  # judged free of nulls from an earlier index on
+            else:
+                # a slice searched in C decides; the generator names the first offending index
+                held = table[needed.start :] if ranged else [table[i] for i in needed]
             if null in held:
                 i = next(i for i in needed if table[i] == null)
                 raise Violation(
@@ -332,8 +377,19 @@ def check_tables(
                     requests=[rid],
                     groups=[g],
                 )
-            cached_count_covers(rid, g, table, request.block_hashes, keys, num_cached, null)
-            cached_prefix_keys(rid, g, spec, interval, request, table, keys, num_cached, null, eagle)
+            covered = min(len(table), len(request.block_hashes))
+            if verdict is None:
+                cached_count_covers(rid, g, table, request.block_hashes, keys, num_cached, null)
+                cached_prefix_keys(rid, g, spec, interval, request, table, keys, num_cached, null, eagle)
+            else:  # the prefix and what was covered stand: only indices the hashes reached since
+                cached_count_covers(rid, g, table, request.block_hashes, keys, num_cached, null, verdict.covered)
+            if verified is not None:
+                nulls_from = needed.start if ranged else len(table)
+                if verdict is not None:
+                    nulls_from = min(nulls_from, verdict.nulls_from)
+                verified[(rid, g)] = TableVerdict(
+                    table, request, num_cached, request.shared_prefix_boundary, nulls_from, covered
+                )
 
 
 def cached_prefix_keys(

@@ -22,10 +22,16 @@ class Mirror:
         self.ids: dict[tuple[str, int], list[int]] = {}  # the same tables as block ids
         self.holders = [0] * n
         self.groups: list[Counter] = [Counter() for _ in range(n)]
+        self.tables_of: list[Counter] = [Counter() for _ in range(n)]  # block -> the tables holding it
+        self.verified: dict = {}  # table key -> its TableVerdict (invariants.check_tables), while its keys stand
+        self.cached_counts: dict = {}  # table key -> the cached count the view reported with it
+        self.rekeyed: set = set()  # keys of tables holding a block whose key changed, until sync returns them
         self.keys: list = [None] * n
         self.free = set(view.free_queue_ids())
         self.moved_keys: set = set()  # old and new keys of every block judged since the last take
         self.first_keys: dict | None = None  # block -> its key when the step began, once it moves (the checker's)
+        self.further_keys = getattr(view, "further_keys", None)  # keys inside a block, for a view that has them
+        self.raw_tables = getattr(view, "raw_tables", None)  # every live table of a group at once
         view.take_changes()
         self.sync(set(range(n)), check=False)
 
@@ -40,24 +46,32 @@ class Mirror:
             groups[key[1]] += sign
             if groups[key[1]] == 0:
                 del groups[key[1]]
+            tables = self.tables_of[block_id]
+            tables[key] += sign
+            if tables[key] == 0:
+                del tables[key]
             affected.add(block_id)
 
     def sync(self, changed: set, check: bool = True, requests: set | None = None) -> set:
-        """Fold in the tables that changed; judge every affected block. Returns changed table keys.
+        """Fold in the tables that changed; judge every affected block. Returns the keys of the
+        tables to judge again: those whose entries or cached count changed, and those holding a
+        block whose key changed (a table's cached prefix is judged by its blocks' keys).
 
         ``requests`` limits the table comparison to those request ids (inside a step, where the
         engine knows whose tables it asked to change); None compares every table."""
         view = self.view
-        seen, changed_tables = set(), set()
+        tables, counts, changed_tables, seen = self.tables, self.cached_counts, set(), 0
         for g in range(view.num_groups):
-            rids = list(view.request_ids(g)) if requests is None else requests
-            for rid in rids:
-                key = (rid, g)
-                live = view.raw_table(g, rid)
+            for rid, live in self._live_tables(g, requests):
                 if live is None:
                     continue
-                seen.add(key)
-                old = self.tables.get(key)
+                seen += 1
+                key = (rid, g)
+                count = view.num_cached_blocks(g, rid)
+                if counts.get(key, -1) != count:
+                    counts[key] = count
+                    changed_tables.add(key)
+                old = tables.get(key)
                 if old is not None and old == live:
                     continue
                 if old is None:
@@ -68,27 +82,41 @@ class Mirror:
                     differ = [] if live[:n] == old else [i for i in range(m) if old[i] is not live[i]]
                     self._count(key, [old[i] for i in differ] + old[m:], -1, changed)
                     self._count(key, [live[i] for i in differ] + live[m:], +1, changed)
-                self.tables[key] = list(live)
+                tables[key] = list(live)
                 self.ids[key] = [b.block_id for b in live]
                 changed_tables.add(key)
-        if requests is None:
-            stale = [k for k in self.tables if k not in seen]
+        if requests is None:  # every table still in the mirror was seen, unless one went
+            stale = [] if seen == len(tables) else [k for k in tables if view.raw_table(k[1], k[0]) is None]
         else:
             stale = [
-                k
-                for k in ((r, g) for r in requests for g in range(view.num_groups))
-                if k in self.tables and k not in seen
+                (rid, g)
+                for rid in requests
+                for g in range(view.num_groups)
+                if (rid, g) in tables and view.raw_table(g, rid) is None
             ]
         for key in stale:
             del self.ids[key]
-            self._count(key, self.tables.pop(key), -1, changed)
+            self.verified.pop(key, None)
+            counts.pop(key, None)
+            self._count(key, tables.pop(key), -1, changed)
             changed_tables.add(key)
         if check:
             for rid, g in changed_tables:
                 if (rid, g) in self.tables:
                     inv.table_without_repeats(rid, g, self.ids[(rid, g)], view.null_block_id)
         self._judge(changed, check)
-        return changed_tables
+        rekeyed, self.rekeyed = self.rekeyed, set()
+        return changed_tables | rekeyed
+
+    def _live_tables(self, group: int, requests: set | None):
+        """(request id, live table or None) for ``requests``, or for every request of the group:
+        in one call where the view offers ``raw_tables``."""
+        view = self.view
+        if requests is not None:
+            return [(rid, view.raw_table(group, rid)) for rid in requests]
+        if self.raw_tables is not None:
+            return self.raw_tables(group)
+        return [(rid, view.raw_table(group, rid)) for rid in list(view.request_ids(group))]
 
     def _who(self, block_id: int) -> set:
         return {rid for (rid, _), t in self.tables.items() if any(b.block_id == block_id for b in t)}
@@ -106,6 +134,10 @@ class Mirror:
                 first_keys[block_id] = old_key
             ref_cnt, key, in_queue, links_ok, in_map, stale = view.block_state(block_id, old_key)
             keys[block_id] = key
+            if key != old_key:  # the tables holding it are judged again, without their verdicts
+                for table_key in self.tables_of[block_id]:
+                    self.verified.pop(table_key, None)
+                    self.rekeyed.add(table_key)
             if key is not None:
                 self.moved_keys.add(key)
             if old_key is not None:
@@ -116,7 +148,7 @@ class Mirror:
                 free.discard(block_id)
             if not check:
                 continue
-            further = inv.further_keys(view, block_id) if key is not None else ()
+            further = self.further_keys(block_id) if key is not None and self.further_keys else ()
             if stale:
                 inv.map_entry(block_id, old_key, key, further)
             if key is not None and (not in_map or block_id == null or not 0 <= key[1] < num_groups):

@@ -45,7 +45,7 @@ class Connector:
         """Copy computed, cached blocks out: entries are (block hash, group, block id)."""
         if not entries:
             return
-        rows = self.memory.data[[e[2] for e in entries]].tolist()
+        rows = self.memory.rows([e[2] for e in entries])
         for (block_hash, group, _), row in zip(entries, rows):
             self.tier.setdefault(block_hash, {})[group] = tuple(row)
 
