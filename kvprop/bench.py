@@ -21,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_a
 
 from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, Mamba, SlidingWindow
 from kvprop.check.checker import Checker
+from kvprop.errors import ConfigError
 from kvprop.repro.minimise import minimise
 from kvprop.search import DRIVERS, fuzz, profiles
 from kvprop.search.execute import execute
@@ -350,15 +351,50 @@ def targets(quick: bool, result: dict) -> list[dict]:
     return rows
 
 
+def load_baseline(path: str) -> dict:
+    """Measure -> value of the targets table in an earlier ``kvprop bench --json`` run's output
+    (the same command on the previous code): the "before" column. Read as data, checked
+    before anything is measured."""
+    where = f"baseline {path!r}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read it ({e.strerror})") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{where}: not JSON ({e})") from None
+    rows = data.get("targets") if isinstance(data, dict) else None
+    if not isinstance(rows, list) or not all(
+        isinstance(r, dict) and isinstance(r.get("measure"), str) and "value" in r for r in rows
+    ):
+        raise ConfigError(
+            f"{where}: expected the output of `kvprop bench --json` with its targets part: an object whose "
+            f'"targets" is a list of rows, each with a "measure" string and a "value"'
+        )
+    return {r["measure"]: r["value"] for r in rows}
+
+
+def with_baseline(rows: list[dict], baseline: dict) -> list[dict]:
+    """Each targets row with the baseline's value for the same measure beside its own."""
+    return [
+        {"measure": r["measure"], "before": baseline.get(r["measure"], "not measured"), **r} for r in rows
+    ]
+
+
 PARTS = ("throughput", "scaling", "time_to_find", "vllm", "targets")
 DEFAULT_PARTS = tuple(part for part in PARTS if part != "vllm")  # vllm needs a vLLM environment
 
 
-def main(quick: bool = False, as_json: bool = False, parts=DEFAULT_PARTS) -> int:
+def main(quick: bool = False, as_json: bool = False, parts=DEFAULT_PARTS, baseline: str | None = None) -> int:
     funcs = {"throughput": throughput, "scaling": scaling, "time_to_find": time_to_find, "vllm": vllm}
+    before = load_baseline(baseline) if baseline is not None else None
+    if before is not None and "targets" not in parts:
+        raise ConfigError("--baseline adds a column to the targets table: name the targets part too")
     result: dict = {}
     for part in parts:
         result[part] = targets(quick, result) if part == "targets" else funcs[part](quick)
+        if part == "targets" and before is not None:
+            result[part] = with_baseline(result[part], before)
         if not as_json:
             print(_table(part.replace("_", " "), result[part]) + "\n", flush=True)
     if as_json:

@@ -219,6 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     bench.add_argument("--quick", action="store_true", help="shorter runs")
     bench.add_argument(
+        "--baseline",
+        metavar="FILE",
+        default=None,
+        help="an earlier `kvprop bench --json` output (the previous code): the targets table shows its "
+        "values in a 'before' column",
+    )
+    bench.add_argument(
         "parts",
         nargs="*",
         type=_bench_part,

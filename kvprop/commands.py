@@ -453,7 +453,9 @@ def cmd_agree(args) -> int:
 def cmd_bench(args) -> int:
     from kvprop import bench
 
-    return bench.main(quick=args.quick, as_json=args.json, parts=args.parts or bench.DEFAULT_PARTS)
+    return bench.main(
+        quick=args.quick, as_json=args.json, parts=args.parts or bench.DEFAULT_PARTS, baseline=args.baseline
+    )
 
 
 def cmd_coverage(args) -> int:

@@ -196,3 +196,39 @@ def test_bench_vllm_without_vllm_exits_2_and_says_how_to_get_it():
     r = kvprop("bench", "vllm", cwd=ROOT)
     says = "target 'vllm' needs vLLM importable"
     assert (r.returncode, says in r.stderr, "Traceback" in r.stderr) == (2, True, False), r.stderr
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (None, "cannot read it"),
+        ("{not json", "not JSON"),
+        ('{"targets": [{"value": 1}]}', 'each with a "measure" string and a "value"'),
+        ("[1, 2]", 'an object whose "targets" is a list of rows'),
+    ],
+    ids=["missing", "not-json", "row-without-measure", "not-an-object"],
+)
+def test_bench_with_a_bad_baseline_exits_2_before_measuring(tmp_path, content, says):
+    path = tmp_path / "before.json"
+    if content is not None:
+        path.write_text(content)
+    r = kvprop("bench", "--baseline", str(path), "targets", cwd=ROOT)
+    assert (r.returncode, says in r.stderr, "Traceback" in r.stderr, "measuring" in r.stderr) == (2, True, False, False), r.stderr
+
+
+def test_bench_baseline_needs_the_targets_part(tmp_path):
+    path = tmp_path / "before.json"
+    path.write_text('{"targets": []}')
+    r = kvprop("bench", "--baseline", str(path), "scaling", cwd=ROOT)
+    says = "--baseline adds a column to the targets table: name the targets part too"
+    assert (r.returncode, says in r.stderr, "Traceback" in r.stderr) == (2, True, False), r.stderr
+
+
+def test_a_baseline_row_stands_beside_the_same_measure():
+    from kvprop.bench import with_baseline
+
+    rows = [{"measure": "m", "value": 2, "target": ">= 1", "met": "yes"}, {"measure": "n", "value": 3}]
+    assert with_baseline(rows, {"m": 1}) == [
+        {"measure": "m", "before": 1, "value": 2, "target": ">= 1", "met": "yes"},
+        {"measure": "n", "before": "not measured", "value": 3},
+    ]
