@@ -3,7 +3,7 @@
 kvprop's allocator is the reference model of vLLM's. The invariants judge each target on its
 own; agreement checks the model itself: after every operation both sides must hold the same
 block ids in every table, the same cache key on every block, the same number of free
-blocks and the same KV cache events, in the same order. A disagreement is a modelling
+blocks, the same count of evictions and the same KV cache events, in the same order. A disagreement is a modelling
 difference (a vLLM rule kvprop has not taken up, or one it models wrong), not by itself a
 bug of either side, so it is reported with both states.
 
@@ -29,7 +29,7 @@ class Disagreement:
     seed: int
     step: int  # index into the walk's operations, Misuse left out
     operation: str
-    what: str  # which part differs: "outcome", "tables", "cache keys", "free blocks" or "events"
+    what: str  # which part differs: "outcome", "tables", "cache keys", "free blocks", "evictions" or "events"
     reference: str
     target: str
 
@@ -50,6 +50,7 @@ def snapshot(harness: Harness) -> dict:
         "cache keys": engine.view.cache_keys(),
         "further keys": extra_keys(engine.view),
         "free blocks": engine.view.num_free_blocks,
+        "evictions": engine.view.num_evictions,  # vLLM reports none: its target counts them
         "events": engine.take_kv_events(),
     }
 

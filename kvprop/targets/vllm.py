@@ -446,6 +446,8 @@ class VllmAllocator:
         self.event_names: dict = {}  # the hash as KV cache events publish it -> kvprop block hash
         self._named: dict = {}  # request id -> how many of its block hashes are in hash_names
         self.num_evictions = 0
+        self._counting = False  # inside counting_evictions
+        self._evictions_counted = self._count_evictions()
         # the stored events a lookup queued (the full report), by id; holding them keeps each id theirs
         self._reannounced: dict = {}
 
@@ -531,9 +533,34 @@ class VllmAllocator:
         kwargs = _call_kwargs("KVCacheManager.allocate_slots()", self._allocate_params, kwargs)
         return self.counting_evictions(self.manager.allocate_slots, vreq, num_new_tokens, **kwargs)
 
+    def _count_evictions(self) -> bool:
+        """Counts the evictions vLLM's pool makes inside ``counting_evictions`` as it makes them:
+        the pool's own ``_maybe_evict_cached_block`` (every release from 0.22.1), wrapped on this
+        pool, adds one each time it returns True (it evicted a cached block). False where a
+        release has no such method: the caller then compares the pool before and after."""
+        evict = getattr(self.pool, "_maybe_evict_cached_block", None)
+        if evict is None:
+            return False
+
+        def counted(block):
+            evicted = evict(block)
+            if evicted and self._counting:
+                self.num_evictions += 1
+            return evicted
+
+        self.pool._maybe_evict_cached_block = counted
+        return True
+
     def counting_evictions(self, allocate, *args, **kwargs):
-        """``allocate(*args, **kwargs)``, counting the cached free blocks it took (their hash changed):
-        vLLM reports no evictions."""
+        """``allocate(*args, **kwargs)``, counting the cached free blocks it took: vLLM reports no
+        evictions. As they happen where the pool can be watched (``_count_evictions``); else the
+        cached free blocks whose hash the call changed."""
+        if self._evictions_counted:
+            self._counting = True
+            try:
+                return allocate(*args, **kwargs)
+            finally:
+                self._counting = False
         blocks = self.pool.blocks
         before = {b.block_id: b.block_hash for b in blocks if b.ref_cnt == 0 and b.block_hash is not None}
         result = allocate(*args, **kwargs)
@@ -599,9 +626,11 @@ class VllmAllocator:
 
 
 # From this pool size on, blocks are watched rather than compared with a snapshot at every
-# check: a watched write costs a Python call in vLLM's every block update, which below this
-# size costs more than the snapshot (README, benchmarks: the vLLM target rows).
-WATCH_FROM_BLOCKS = 256
+# check: a watched write costs a Python call in vLLM's every block update. The watch is set
+# up at the first look for changes, so a run without checks never pays for it; with checks
+# it costs less than the snapshot from the smallest pools on (README, benchmarks: the vLLM
+# target rows), so every pool is watched unless a benchmark sets this higher.
+WATCH_FROM_BLOCKS = 0
 
 
 def _block_state(b) -> tuple:
@@ -660,8 +689,8 @@ class VllmView:
         self.null_block_id = self.pool.null_block.block_id
         self._names: dict = {}  # vLLM key -> kvprop key, for keys whose hash is recorded
         self._vllm_keys: dict = {}  # kvprop key -> the vLLM key it was read from
-        self._written = _watch_blocks(self.pool.blocks) if self.num_blocks >= WATCH_FROM_BLOCKS else None
-        self._states = None if self._written is not None else self._block_states()
+        self._written: dict | None = None  # the watch's record, once take_changes set it up
+        self._states: list | None = None  # the snapshot, where blocks are not watched
 
     def ref_cnt(self, block_id: int) -> int:
         return self.pool.blocks[block_id].ref_cnt
@@ -779,7 +808,14 @@ class VllmView:
         vLLM reports no changes, so in a large pool its blocks are watched (``_watch_blocks``);
         in a small one, or where a release's block class cannot be watched, every block is
         compared with the previous call's snapshot (one small tuple per block). As with
-        kvprop's own pool, the periodic full sweep walks the whole queue."""
+        kvprop's own pool, the periodic full sweep walks the whole queue. The first call sets
+        the watch or the snapshot up and reports every block: there is nothing to compare with."""
+        if self._written is None and self._states is None:
+            if self.num_blocks >= WATCH_FROM_BLOCKS:
+                self._written = _watch_blocks(self.pool.blocks)
+            if self._written is None:
+                self._states = self._block_states()
+            return set(range(self.num_blocks))
         if self._written is not None:
             blocks = self.pool.blocks
             changed = {i for i, state in self._written.items() if _block_state(blocks[i]) != state}
