@@ -14,7 +14,6 @@ import sys
 import tempfile
 import time
 
-import attrs
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
@@ -24,9 +23,8 @@ from kvprop.check.checker import Checker
 from kvprop.errors import ConfigError
 from kvprop.repro.minimise import minimise
 from kvprop.search import DRIVERS, fuzz, profiles
-from kvprop.search.execute import execute
 from kvprop.search.machine import machine_for, trace_length
-from kvprop.search.walk import plan
+from kvprop.search.walk import run_walk
 from kvprop.targets import build_engine
 from kvprop.targets.variants import VARIANTS
 
@@ -42,12 +40,8 @@ def _walk_rate(
     (None: the sampled pool, as ``kvprop fuzz`` runs them)."""
     steps, seed, start = 0, 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
-        trace = plan(seed)
-        if num_blocks is not None:
-            allocator = attrs.evolve(trace.config.allocator, num_blocks=num_blocks)
-            trace = attrs.evolve(trace, config=attrs.evolve(trace.config, allocator=allocator))
         executed: list = []
-        execute(trace, target=target, checks=checks, on_step=_recorder(executed))
+        run_walk(seed, target=target, checks=checks, num_blocks=num_blocks, on_step=_recorder(executed))
         steps += len(executed)
         seed += 1
     elapsed = time.perf_counter() - start

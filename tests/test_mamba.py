@@ -3,6 +3,8 @@ retirement, the same-step rule and the scheduler's chunk alignment."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from helpers import NULL, allocator, engine, prefill, req
 
@@ -155,3 +157,31 @@ def test_a_state_computed_at_a_block_boundary_is_offloaded_and_loads_for_the_nex
     r = eng.add_request(list(range(10)), 1)
     assert eng.connector.num_new_matched_tokens(r, 0) == 8
     assert (drain(eng, checker) > 0, eng.requests) == (True, {})
+
+
+# ---- the same-step rule for a block a queued copy fills ------------------------------------
+
+COPY_FILLED_HIT = Path(__file__).parent / "data" / "copy-filled-hit.json"
+
+
+def _copy_filled_hit_replay():
+    """A walk (seed 13, minimised): in the drain, r18's allocation copies its state block keyed
+    inside it onto a block evicted from the free queue, which held that key at the step's
+    start; r20's lookup hits that block. kvprop's allocator and vLLM 0.33.0 refuse r20 until
+    the copy has run (``cached_blocks_this_step``)."""
+    from kvprop.search.execute import execute
+    from kvprop.search.trace import load
+
+    return execute(load(COPY_FILLED_HIT))
+
+
+def test_a_hit_on_a_block_a_queued_copy_fills_may_be_refused():
+    assert _copy_filled_hit_replay() is None
+
+
+def test_the_bound_without_the_copy_rule_calls_that_refusal_spurious(monkeypatch):
+    from kvprop.check import checker
+
+    monkeypatch.setattr(checker, "_pending_copies", lambda view: [])
+    failure = _copy_filled_hit_replay()
+    assert (failure.step, failure.kind) == (31, "spurious-refusal")

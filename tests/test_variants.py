@@ -54,7 +54,7 @@ def test_machine_finds_variant_from_scratch(variant, record_property):
 # invariant, never a guard or a crash (an allocator under test need not have guards).
 CAUGHT_WITHOUT_GUARDS = {
     "interleaved-external-alloc": "block-in-two-groups",
-    "touch-before-capacity-check": "cached-count-behind",
+    "touch-before-capacity-check": "ref-cnt-mismatch",
     "evict-keeps-hash": "cache-map-stale",
     "swa-skip-off-by-one": "null-in-attended-range",
     "hits-recached": "cached-count-behind",
@@ -70,7 +70,7 @@ CAUGHT_WITHOUT_GUARDS = {
     "state-retired-early": "null-in-attended-range",
     "cache-past-computed": "data-mismatch",
     "draft-slots-returned": "table-rewritten",
-    "partial-hit-shared": "cached-block-lost-hash",
+    "partial-hit-shared": "cached-count",
     "state-key-not-moved": "data-mismatch",
     "checkpoint-over-running-state": "data-mismatch",
     "checkpoint-keyed-late": "cached-block-lost-hash",

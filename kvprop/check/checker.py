@@ -62,42 +62,53 @@ class Checker(Hooks):
         if self.incremental(engine) and self.mirror is not None:
             view = engine.view
             self.pending_changes |= view.take_changes()  # moved, not yet judged: their key now is the start's
-            self.mirror.first_keys = {block_id: view.cache_key(block_id) for block_id in self.pending_changes}
+            self.mirror.first_keys = {block_id: _keys_of(view, block_id) for block_id in self.pending_changes}
             self.states_at_step_start = None
         else:
             self.states_at_step_start = frozenset(self._cached_states(engine))
 
     @staticmethod
     def _cached_states(engine):
+        """(block, key) of every state key in the pool, a key inside a block included."""
         view = engine.view
         for block_id in range(view.num_blocks):
-            key = view.cache_key(block_id)
-            if key is not None and key[1] in engine.state_groups:
-                yield block_id, key
+            for key in _keys_of(view, block_id):
+                if key[1] in engine.state_groups:
+                    yield block_id, key
 
     def _same_step_states(self, engine) -> set:
         """Keys of the state blocks cached since the step began, by an allocation (a block evicted
         and cached again under its old key included) or by the caching that follows a load
-        (vLLM's scheduler completes loads inside ``schedule()``): a hit on one may be refused
-        until the next step (``MambaManager.cached_blocks_this_step``)."""
+        (vLLM's scheduler completes loads inside ``schedule()``), and the keys of every block a
+        queued copy fills (its state exists once the copy has run, before this step's forward
+        pass; vLLM 0.33.0 ``MambaManager.allocate_new_blocks``, "defer same-step hits on it"):
+        a hit on one may be refused until the next step (``MambaManager.cached_blocks_this_step``)."""
         if not engine.state_groups:
             return set()
+        filled = {
+            key
+            for _, copy in _pending_copies(engine.view)
+            for key in _keys_of(engine.view, copy)
+            if key[1] in engine.state_groups
+        }
         start = self.states_at_step_start
         if start is not None:
             since = {key for block_id, key in self._cached_states(engine) if (block_id, key) not in start}
-            return since | self.cached_by_allocations
-        # Only blocks that moved since the step began can hold a state key they did not hold then.
-        view, first, mirror_keys = engine.view, self.mirror.first_keys, self.mirror.keys
+            return since | self.cached_by_allocations | filled
+        # Only blocks that moved since the step began can hold a state key they did not hold then
+        # (a key inside a block included: caching one at a boundary inside a keyed block adds it).
+        view, mirror = engine.view, self.mirror
+        first = mirror.first_keys
         moved = view.take_changes()
         self.pending_changes |= moved
-        for block_id in moved:
-            first.setdefault(block_id, mirror_keys[block_id])  # not judged since the start: the mirror's key
+        for block_id in moved:  # not judged since the start: the mirror's keys are the start's
+            first.setdefault(block_id, (mirror.keys[block_id], *mirror.further.get(block_id, ())))
         since = set()
-        for block_id, key_at_start in first.items():
-            key = view.cache_key(block_id)
-            if key is not None and key[1] in engine.state_groups and key != key_at_start:
-                since.add(key)
-        return since | self.cached_by_allocations
+        for block_id, keys_at_start in first.items():
+            for key in _keys_of(view, block_id):
+                if key[1] in engine.state_groups and key not in keys_at_start:
+                    since.add(key)
+        return since | self.cached_by_allocations | filled
 
     def _note_cached_states(self, engine, request_id: str, cached_before: dict) -> None:
         """The state blocks this allocation cached: those its cached count passed over, and, when
@@ -295,6 +306,18 @@ class Checker(Hooks):
             self.signatures.clear()
             self.pending_changes = set()
             self.judged_in_step = set()
+
+
+def _pending_copies(view) -> list:
+    """(source, copy) of the block copies a view reports queued; none for a view without copies."""
+    report = getattr(view, "pending_copies", None)
+    return report() if report is not None else []
+
+
+def _keys_of(view, block_id: int) -> tuple:
+    """Every key ``block_id`` is cached under: its own, then those inside it."""
+    key = view.cache_key(block_id)
+    return () if key is None else (key, *inv.further_keys(view, block_id))
 
 
 STALLED_STEPS = 2  # steps in a row that left the engine's stall signature as it was

@@ -182,7 +182,7 @@ def check_blocks(view, tables, ref_cnts, keys) -> None:
     further = extra_keys(view)
     copies = pending_copy_refs(view)
     mapped = defaultdict(set)
-    for key, block_id in view.cache_map_items():
+    for key, block_id in sorted(view.cache_map_items(), key=lambda item: item[1]):  # the lowest block first
         map_entry(block_id, key, keys[block_id], further.get(block_id, ()))
         mapped[block_id].add(key)
     for block_id, extra in further.items():

@@ -29,7 +29,9 @@ class Mirror:
         self.keys: list = [None] * n
         self.free = set(view.free_queue_ids())
         self.moved_keys: set = set()  # old and new keys of every block judged since the last take
-        self.first_keys: dict | None = None  # block -> its key when the step began, once it moves (the checker's)
+        # block -> its keys (its own, then those inside it) when the step began, once it moves (the checker's)
+        self.first_keys: dict | None = None
+        self.further: dict[int, tuple] = {}  # block -> its keys inside it, where it has any
         self.further_keys = getattr(view, "further_keys", None)  # keys inside a block, for a view that has them
         self.raw_tables = getattr(view, "raw_tables", None)  # every live table of a group at once
         view.take_changes()
@@ -128,11 +130,15 @@ class Mirror:
         keys, free, holders_of, groups_of = self.keys, self.free, self.holders, self.groups
         first_keys = self.first_keys
         copies = inv.pending_copy_refs(view) if check else {}
-        for block_id in changed:
+        for block_id in sorted(changed):  # the lowest block first, as the full sweep reports
             old_key = keys[block_id]
+            old_further = self.further.pop(block_id, ())
             if first_keys is not None and block_id not in first_keys:
-                first_keys[block_id] = old_key
+                first_keys[block_id] = () if old_key is None else (old_key, *old_further)
             ref_cnt, key, in_queue, links_ok, in_map, stale = view.block_state(block_id, old_key)
+            further = self.further_keys(block_id) if key is not None and self.further_keys else ()
+            if further:
+                self.further[block_id] = tuple(further)
             keys[block_id] = key
             if key != old_key:  # the tables holding it are judged again, without their verdicts
                 for table_key in self.tables_of[block_id]:
@@ -148,7 +154,6 @@ class Mirror:
                 free.discard(block_id)
             if not check:
                 continue
-            further = self.further_keys(block_id) if key is not None and self.further_keys else ()
             if stale:
                 inv.map_entry(block_id, old_key, key, further)
             if key is not None and (not in_map or block_id == null or not 0 <= key[1] < num_groups):

@@ -390,6 +390,17 @@ WEIGHT_CHOICES = (0, 1, 2, 4)
 DRIVING_WEIGHTS = (2, 4, 8)  # Step and AddRequest: never off, so every run makes progress
 
 
+def ready_operations(weights, harness) -> list[tuple[type, int]]:
+    """(operation, weight) of every operation switched on in ``weights`` that would do
+    something now (an operation without ``ready`` always would): both drivers draw the next
+    operation from these."""
+    return [
+        (op_class, weight)
+        for op_class, weight in zip(OPERATIONS, weights)
+        if weight and (not hasattr(op_class, "ready") or op_class.ready(harness))
+    ]
+
+
 def sample_weights(choose) -> tuple[int, ...]:
     """Swarm testing: how often each operation runs in one walk or one example, one weight per
     entry of ``OPERATIONS``; a 0 switches the operation off there, so what needs many of one

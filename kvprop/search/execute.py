@@ -37,25 +37,29 @@ def execute(
         full_sweeps=full_sweeps,
     )
     try:
-        return _run(harness, trace, on_step)
+        return run(harness, trace.steps, trace.drain, on_step)
     finally:
         if events is not None:
             events.update(harness.engine.events)
 
 
-def _run(harness, trace, on_step) -> Failure | None:
-    for i, op in enumerate(trace.steps):
+def run(harness, operations, drain: bool, on_step=None) -> Failure | None:
+    """Apply ``operations`` in order, then drain; the first finding is the failure. The walker
+    passes a generator that draws each operation from the harness as it stands."""
+    applied = 0
+    for op in operations:
         try:
             outcome = harness.apply(op)
         except (Violation, TargetCrash) as e:  # a finding; anything else is kvprop's own error
-            return failure_from(e, i)
+            return failure_from(e, applied)
         if on_step is not None:
-            on_step(i, op, outcome)
-    if trace.drain:
+            on_step(applied, op, outcome)
+        applied += 1
+    if drain:
         try:
             steps = harness.drain()
         except (Violation, TargetCrash) as e:
-            return failure_from(e, len(trace.steps))
+            return failure_from(e, applied)
         if on_step is not None:
-            on_step(len(trace.steps), "drain", f"drained in {steps} engine steps")
+            on_step(applied, "drain", f"drained in {steps} engine steps")
     return None

@@ -138,12 +138,8 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     def choices(self) -> list:
         """The operations to draw from now, each repeated as often as its weight."""
-        return [
-            op_class
-            for op_class, weight in zip(ops.OPERATIONS, self.weights)
-            if weight and (not hasattr(op_class, "ready") or op_class.ready(self.harness))
-            for _ in range(weight)
-        ]
+        ready = ops.ready_operations(self.weights, self.harness)
+        return [op_class for op_class, weight in ready for _ in range(weight)]
 
     @rule(op=next_operations())
     def operation(self, op):

@@ -1,34 +1,69 @@
 """The fast seeded swarm walker: the same operations and checks as the state machine,
 without Hypothesis's per-step cost.
 
-Each run draws its configuration, its operation weights (some operations switched off)
-and its operations from its seed alone, so a run is reproducible from the seed and the
-kvprop version.
+Each run draws its configuration, its operation weights (some operations switched off) and
+its length from its seed, then each operation, as the state machine does, by those weights
+among the operations that would do something now (``ready_operations``), from the engine as
+it stands. A run is reproducible from its seed and the kvprop version on the same target;
+its trace records the operations it ran, which replay anywhere.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 
 import attrs
 
 from kvprop.errors import ConfigError
-from kvprop.search.alphabet import OPERATIONS, RandomChooser, sample_config, sample_weights
-from kvprop.search.execute import execute
+from kvprop.search.alphabet import RandomChooser, ready_operations, sample_config, sample_weights
+from kvprop.search.execute import run
+from kvprop.search.harness import Harness
 from kvprop.search.trace import Failure, Trace
 
 
-def plan(seed: int, max_ops: int = 200) -> Trace:
-    """The trace a walk with ``seed`` runs: configuration, swarm weights, operations."""
+@attrs.frozen
+class WalkStart:
+    """What a seed decides before the first operation; ``rng`` then draws every operation."""
+
+    rng: random.Random
+    config: object  # EngineConfig
+    weights: tuple
+    length: int
+
+
+def start(seed: int, max_ops: int = 200, num_blocks: int | None = None) -> WalkStart:
+    """``num_blocks``: the pool fixed at that size instead of the sampled one (benchmarks)."""
     rng = random.Random(seed)
     config = sample_config(RandomChooser(rng))
     weights = sample_weights(RandomChooser(rng))
-    steps = []
-    for _ in range(rng.randint(max_ops // 4, max_ops)):
-        op = rng.choices(OPERATIONS, weights)[0]
-        steps.append(op(**{k: rng.randint(lo, hi) for k, (lo, hi) in op.ARGS.items()}))
-    return Trace(config=config, steps=tuple(steps), seed=seed, driver="walk")
+    if num_blocks is not None:
+        config = attrs.evolve(config, allocator=attrs.evolve(config.allocator, num_blocks=num_blocks))
+    return WalkStart(rng, config, weights, rng.randint(max_ops // 4, max_ops))
+
+
+def operations(begun: WalkStart, harness: Harness, taken: list):
+    """The walk's operations, each drawn when the one before it has run (into ``taken``)."""
+    rng = begun.rng
+    for _ in range(begun.length):
+        ready = ready_operations(begun.weights, harness)
+        if not ready:
+            return
+        op_class = rng.choices([op for op, _ in ready], [weight for _, weight in ready])[0]
+        op = op_class(**{k: rng.randint(lo, hi) for k, (lo, hi) in op_class.ARGS.items()})
+        taken.append(op)
+        yield op
+
+
+@functools.lru_cache(maxsize=4096)
+def plan(seed: int, max_ops: int = 200) -> Trace:
+    """The trace walk ``seed`` runs on kvprop's own allocator (drawn without checks): a fixed
+    trace, which tests and the agreement check replay on other allocators."""
+    begun = start(seed, max_ops)
+    harness, taken = Harness(begun.config, checks=False), []
+    run(harness, operations(begun, harness, taken), drain=False)
+    return Trace(config=begun.config, steps=tuple(taken), seed=seed, driver="walk")
 
 
 def walk_seed(run_seed: int, worker: int, index: int) -> int:
@@ -48,30 +83,35 @@ class WalkResult:
 
 
 def run_walk(
-    seed: int, variant=None, target=None, device=None, max_ops: int = 200, checks: bool = True, canary: bool = False
+    seed: int,
+    variant=None,
+    target=None,
+    device=None,
+    max_ops: int = 200,
+    checks: bool = True,
+    canary: bool = False,
+    num_blocks: int | None = None,
+    on_step=None,
 ) -> WalkResult:
-    """One walk. A configuration the target cannot build (``ConfigError`` from its factory) is
-    refused: zero steps, no failure, and the reason is reported (never a silent skip)."""
-    trace = attrs.evolve(plan(seed, max_ops), variant=variant, target=target)
-    events = set()
-    count = [0]
-
-    def on_step(i, op, outcome):
-        count[0] += 1
-
+    """One walk, drawn on the allocator it runs on. A configuration the target cannot build
+    (``ConfigError`` from its factory) is refused: zero steps, no failure, and the reason is
+    reported (never a silent skip)."""
+    begun = start(seed, max_ops, num_blocks)
     try:
-        failure = execute(
-            trace,
-            variant=variant,
-            target=target,
-            device=device,
-            on_step=on_step,
-            checks=checks,
-            events=events,
-            canary=canary,
+        harness = Harness(
+            begun.config, variant=variant, target=target, device=device, checks=checks, canary=canary
         )
     except ConfigError as e:
         if target in (None, "kvprop"):
             raise
+        trace = Trace(config=begun.config, steps=(), seed=seed, driver="walk", variant=variant, target=target)
         return WalkResult(trace, None, 0, frozenset(), refused=str(e))
-    return WalkResult(trace, failure, count[0] + (failure is not None), frozenset(events))
+    taken: list = []
+    try:
+        failure = run(harness, operations(begun, harness, taken), drain=True, on_step=on_step)
+    finally:
+        events = frozenset(harness.engine.events)
+    trace = Trace(config=begun.config, steps=tuple(taken), seed=seed, driver="walk", variant=variant, target=target)
+    # operations run and the drain, or up to the one that failed
+    steps_run = len(taken) + (failure is None or failure.step >= len(taken))
+    return WalkResult(trace, failure, steps_run, events)
