@@ -314,12 +314,17 @@ def check_tables(
                 requests=[rid],
                 groups=[g],
             )
+    specs = engine.specs
+    scratch = [getattr(spec, "speculative_blocks", 0) for spec in specs]  # a state group's scratch columns
     for rid in requests if only is None else only:
         if not admitted(rid):
             continue
         request = engine.requests[rid]
         computed = computed_tokens(request, pending)
-        for g, spec in enumerate(engine.specs):
+        hashes, boundary = request.block_hashes, request.shared_prefix_boundary
+        # rejected drafts keep their slots: a table may reach the drafts of an earlier step
+        lo, reach = cdiv(computed, bs), cdiv(request.num_tokens + speculative + lookahead, bs)
+        for g, spec in enumerate(specs):
             table = tables.get((rid, g))
             num_cached = view.num_cached_blocks(g, rid)
             if table is None or num_cached is None:
@@ -329,9 +334,7 @@ def check_tables(
                     requests=[rid],
                     groups=[g],
                 )
-            # rejected drafts keep their slots: a table may reach the drafts of an earlier step
-            lo, hi = cdiv(computed, bs), cdiv(request.num_tokens + speculative + lookahead, bs)
-            hi += getattr(spec, "speculative_blocks", 0)  # a state group's scratch columns
+            hi = reach + scratch[g]
             if not lo <= len(table) <= hi:
                 raise Violation(
                     "table-length",
@@ -341,55 +344,56 @@ def check_tables(
                     groups=[g],
                 )
             skipped_blocks = spec.skipped_tokens(computed) // bs
-            needed = _needed_entries(spec, table, skipped_blocks, computed)
             verdict = verified.get((rid, g)) if verified is not None else None
             if verdict is not None and not (
                 verdict.table is table
                 and verdict.request is request
                 and verdict.num_cached == num_cached
-                and verdict.boundary == request.shared_prefix_boundary
+                and verdict.boundary == boundary
             ):
                 verdict = None
-            ranged = isinstance(needed, range)
-            if ranged and verdict is not None and needed.start >= verdict.nulls_from:
-                held = ()  # judged free of nulls from an earlier index on
+            state = isinstance(spec, Mamba)
+            if not state and verdict is not None and skipped_blocks >= verdict.nulls_from:
+                needed = None  # judged free of nulls from an earlier index on
             else:
+                needed = _needed_entries(spec, table, skipped_blocks, computed)
                 # a slice searched in C decides; the generator names the first offending index
-                held = table[needed.start :] if ranged else [table[i] for i in needed]
-            if null in held:
-                i = next(i for i in needed if table[i] == null)
-                raise Violation(
-                    "null-in-attended-range",
-                    f"{rid!r} group {g} has the null block at index {i}, but with {computed} computed tokens "
-                    + (
-                        f"index {i} must hold the running state or the block the step computes into"
-                        if isinstance(spec, Mamba)
-                        else f"only the first {skipped_blocks} blocks may be skipped"
-                    ),
-                    requests=[rid],
-                    groups=[g],
-                )
-            if num_cached > len(table) or num_cached > len(request.block_hashes):
+                held = table[needed.start :] if not state else [table[i] for i in needed]
+                if null in held:
+                    i = next(i for i in needed if table[i] == null)
+                    raise Violation(
+                        "null-in-attended-range",
+                        f"{rid!r} group {g} has the null block at index {i}, but with {computed} computed tokens "
+                        + (
+                            f"index {i} must hold the running state or the block the step computes into"
+                            if state
+                            else f"only the first {skipped_blocks} blocks may be skipped"
+                        ),
+                        requests=[rid],
+                        groups=[g],
+                    )
+            if num_cached > len(table) or num_cached > len(hashes):
                 raise Violation(
                     "cached-count",
                     f"{rid!r} group {g} counts {num_cached} cached blocks with {len(table)} "
-                    f"blocks and {len(request.block_hashes)} full blocks",
+                    f"blocks and {len(hashes)} full blocks",
                     requests=[rid],
                     groups=[g],
                 )
-            covered = min(len(table), len(request.block_hashes))
+            covered = min(len(table), len(hashes))
             if verdict is None:
-                cached_count_covers(rid, g, table, request.block_hashes, keys, num_cached, null)
+                cached_count_covers(rid, g, table, hashes, keys, num_cached, null)
                 cached_prefix_keys(rid, g, spec, interval, request, table, keys, num_cached, null, eagle)
-            else:  # the prefix and what was covered stand: only indices the hashes reached since
-                cached_count_covers(rid, g, table, request.block_hashes, keys, num_cached, null, verdict.covered)
-            if verified is not None:
-                nulls_from = needed.start if ranged else len(table)
-                if verdict is not None:
-                    nulls_from = min(nulls_from, verdict.nulls_from)
-                verified[(rid, g)] = TableVerdict(
-                    table, request, num_cached, request.shared_prefix_boundary, nulls_from, covered
-                )
+                if verified is not None:
+                    nulls_from = len(table) if state else needed.start
+                    verified[(rid, g)] = TableVerdict(table, request, num_cached, boundary, nulls_from, covered)
+                continue
+            # the prefix and what was covered stand: only indices the hashes reached since
+            if covered > verdict.covered:
+                cached_count_covers(rid, g, table, hashes, keys, num_cached, null, verdict.covered)
+                verdict.covered = covered
+            if needed is not None and not state:
+                verdict.nulls_from = min(verdict.nulls_from, needed.start)
 
 
 def cached_prefix_keys(
