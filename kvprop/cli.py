@@ -10,12 +10,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import signal
 import sys
 import time
 import traceback
 
-from kvprop import __version__
+from kvprop import __version__, interrupt
 from kvprop.errors import KvpropError
 from kvprop.search import DRIVERS  # imports nothing else: the CLI measures what it runs
 
@@ -249,7 +248,7 @@ def _bench_part(text: str) -> str:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    interrupt.install()
     args.started = time.monotonic()
     try:
         return args.func(args)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import attrs
 
-from kvprop import __version__
+from kvprop import __version__, interrupt
 from kvprop.cli import EXIT_CLEAN, EXIT_FOUND, EXIT_INTERRUPTED, EXIT_USAGE
 from kvprop.errors import ConfigError
 
@@ -361,6 +361,7 @@ def cmd_bugs(args) -> int:
         )
     rows = []
     for name in VARIANTS:
+        interrupt.check()
         opts = fuzz.FuzzOptions(
             seconds=args.seconds_per_bug,
             workers=args.workers,

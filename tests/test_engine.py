@@ -3,6 +3,8 @@ asynchronous external loads. Every invariant is checked inside and after every s
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from helpers import engine
 
@@ -259,6 +261,28 @@ def test_loads_admitted_without_room_to_finish_never_end(checker):
     assert (a.status, b.status, eng.view.num_free_blocks) == (Status.LOADING, Status.LOADING, 0)
     with pytest.raises(Violation, match="liveness: 2 requests still live after 3 drain steps"):
         drain(eng, checker)
+
+
+LOAD_AND_DECODE = Path(__file__).parent / "data" / "load-and-decode-preempt-each-other.json"
+
+
+def test_a_load_waits_while_a_running_request_needs_its_next_drafts():
+    """A walk (stop 26): with drafts, a load admitted while a request decodes took the blocks
+    its next verification step needed; each preempted the other one token from its end,
+    forever. The engine keeps those blocks back while a request runs (``draft_step_blocks``)."""
+    from kvprop.search.execute import execute
+    from kvprop.search.trace import load
+
+    assert execute(load(LOAD_AND_DECODE)) is None
+
+
+def test_without_the_draft_reserve_that_walk_never_ends(monkeypatch):
+    from kvprop.search.execute import execute
+    from kvprop.search.trace import load
+    from kvprop.sim.engine import Engine
+
+    monkeypatch.setattr(Engine, "draft_step_blocks", lambda self: 0)
+    assert execute(load(LOAD_AND_DECODE)).kind == "liveness"
 
 
 def test_async_load_failure_frees_blocks_and_recomputes(checker):

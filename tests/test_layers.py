@@ -15,7 +15,8 @@ FOUNDATION = {
     "kvprop",
     "kvprop.__version__",
     "kvprop.errors",
-}  # the version string and the shared exceptions, below every layer
+    "kvprop.interrupt",
+}  # the version string, the shared exceptions and the interrupt flag, below every layer
 
 
 def layer_of(module: str) -> str:

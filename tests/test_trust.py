@@ -373,6 +373,28 @@ def test_ctrl_c_during_the_search_prints_a_summary_and_exits_130(tmp_path, runni
 # 18. bugs prints its header first ---------------------------------------------------------------
 
 
+def test_an_interrupt_lost_inside_a_finalizer_still_ends_the_search(monkeypatch):
+    """A KeyboardInterrupt raised inside a finalizer is printed and dropped; the handler's
+    flag ends the search all the same (``kvprop.interrupt``)."""
+    from kvprop import interrupt
+    from kvprop.search import fuzz
+
+    monkeypatch.setattr(interrupt, "requested", threading.Event())
+    interrupt.requested.set()
+    started = time.monotonic()
+    result = fuzz.search(fuzz.FuzzOptions(seconds=60, workers=1, seed=0, driver="walk"))
+    assert (result.interrupted, time.monotonic() - started < 30) == (True, True)
+
+
+def test_the_interrupt_handler_remembers_and_raises(monkeypatch):
+    from kvprop import interrupt
+
+    monkeypatch.setattr(interrupt, "requested", threading.Event())
+    with pytest.raises(KeyboardInterrupt):
+        interrupt.handler(signal.SIGTERM, None)
+    assert interrupt.requested.is_set()
+
+
 def test_bugs_prints_its_header_first(tmp_path, running):
     k = running("bugs", "--seconds-per-bug", "5", "--workers", "1", "--driver", "walk")
     first = k.wait_for(lambda line: True, timeout=90)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import attrs
 
+from kvprop import interrupt
 from kvprop.allocator.specs import FullAttention
 from kvprop.errors import ConfigError
 from kvprop.search.alphabet import PROMPT_PRODUCERS, AddLargeRequest, AddRequest
@@ -35,6 +36,7 @@ class Minimiser:
         """The candidate's failure if it fails the same way (same kind, same exception), else None."""
         if self.replays >= self.max_replays:
             return None
+        interrupt.check()
         self.replays += 1
         try:
             failure = execute(candidate, variant=self.variant, target=self.target, device=self.device)

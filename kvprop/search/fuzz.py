@@ -24,6 +24,7 @@ from collections import Counter
 
 import attrs
 
+from kvprop import interrupt
 from kvprop.search import trace as tr
 from kvprop.search.execute import execute
 from kvprop.search.trace import Trace
@@ -298,6 +299,7 @@ def search(opts: FuzzOptions, status=None, on_find=None, started: float | None =
     last_status = time.monotonic()
     try:
         while True:
+            interrupt.check()  # one lost inside a finalizer ends the search all the same
             elapsed = time.monotonic() - start
             if elapsed >= opts.seconds or tally.crash or tally.unusable:
                 break
