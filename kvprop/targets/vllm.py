@@ -535,7 +535,7 @@ class VllmAllocator:
 
     def _count_evictions(self) -> bool:
         """Counts the evictions vLLM's pool makes inside ``counting_evictions`` as it makes them:
-        the pool's own ``_maybe_evict_cached_block`` (every release from 0.22.1), wrapped on this
+        the pool's own ``_maybe_evict_cached_block`` (0.23.0, 0.24.0 and 0.33.0 read), wrapped on this
         pool, adds one each time it returns True (it evicted a cached block). False where a
         release has no such method: the caller then compares the pool before and after."""
         evict = getattr(self.pool, "_maybe_evict_cached_block", None)
