@@ -1,8 +1,8 @@
 """Incremental checking: the same sentences as ``invariants``, applied to what changed.
 
 A full sweep costs O(blocks + table entries) in Python per check, which would dominate a
-step at large pools. Instead a mirror remembers, per block, how many tables hold it and in
-which groups, and per table what it held; each check diffs the tables that changed and
+step at large pools. Instead a mirror remembers, per block, which tables hold it and how
+often (its holder count and its groups follow), and per table what it held; each check diffs the tables that changed and
 re-judges only the blocks the pool reports as changed plus those whose holders changed.
 The checker still runs the full sweep every few checks and at the end of every run.
 """
@@ -20,9 +20,7 @@ class Mirror:
         n = view.num_blocks
         self.tables: dict[tuple[str, int], list] = {}  # the block objects, compared by identity
         self.ids: dict[tuple[str, int], list[int]] = {}  # the same tables as block ids
-        self.holders = [0] * n
-        self.groups: list[Counter] = [Counter() for _ in range(n)]
-        self.tables_of: list[Counter] = [Counter() for _ in range(n)]  # block -> the tables holding it
+        self.tables_of: list[Counter] = [Counter() for _ in range(n)]  # block -> the tables holding it, how often
         self.verified: dict = {}  # table key -> its TableVerdict (invariants.check_tables), while its keys stand
         self.cached_counts: dict = {}  # table key -> the cached count the view reported with it
         self.rekeyed: set = set()  # keys of tables holding a block whose key changed, until sync returns them
@@ -43,11 +41,6 @@ class Mirror:
             block_id = block.block_id
             if block_id == null:
                 continue
-            self.holders[block_id] += sign
-            groups = self.groups[block_id]
-            groups[key[1]] += sign
-            if groups[key[1]] == 0:
-                del groups[key[1]]
             tables = self.tables_of[block_id]
             tables[key] += sign
             if tables[key] == 0:
@@ -120,14 +113,11 @@ class Mirror:
             return self.raw_tables(group)
         return [(rid, view.raw_table(group, rid)) for rid in list(view.request_ids(group))]
 
-    def _who(self, block_id: int) -> set:
-        return {rid for (rid, _), t in self.tables.items() if any(b.block_id == block_id for b in t)}
-
     def _judge(self, changed: set, check: bool) -> None:
         """Re-judge each changed block. The cheap test in front of each sentence only decides
         whether to call it; the sentence in ``invariants`` decides and words the violation."""
         view, null, num_groups = self.view, self.view.null_block_id, self.view.num_groups
-        keys, free, holders_of, groups_of = self.keys, self.free, self.holders, self.groups
+        keys, free, tables_of = self.keys, self.free, self.tables_of
         first_keys = self.first_keys
         copies = inv.pending_copy_refs(view) if check else {}
         for block_id in sorted(changed):  # the lowest block first, as the full sweep reports
@@ -141,7 +131,7 @@ class Mirror:
                 self.further[block_id] = tuple(further)
             keys[block_id] = key
             if key != old_key:  # the tables holding it are judged again, without their verdicts
-                for table_key in self.tables_of[block_id]:
+                for table_key in tables_of[block_id]:
                     self.verified.pop(table_key, None)
                     self.rekeyed.add(table_key)
             if key is not None:
@@ -163,11 +153,13 @@ class Mirror:
             if block_id == null:
                 inv.null_block_not_free(block_id, in_queue)
                 continue
-            holders, queued = holders_of[block_id], copies.get(block_id, 0)
-            if ref_cnt != holders + queued or len(groups_of[block_id]) > 1 or (holders > 1 and key is None):
-                who = self._who(block_id)
+            held = tables_of[block_id]
+            holders, queued = sum(held.values()), copies.get(block_id, 0)
+            groups = {g for _, g in held} if len(held) > 1 else ()
+            if ref_cnt != holders + queued or len(groups) > 1 or (holders > 1 and key is None):
+                who = {rid for rid, _ in held}
                 inv.block_ref_cnt(block_id, ref_cnt, holders, who, queued)
-                inv.block_single_group(block_id, groups_of[block_id], who)
+                inv.block_single_group(block_id, groups, who)
                 inv.block_shared_only_if_cached(block_id, holders, key, who)
             if ref_cnt < 0 or (ref_cnt == 0) != in_queue:
                 inv.block_queue_membership(block_id, ref_cnt, in_queue)
