@@ -182,6 +182,6 @@ def test_a_hit_on_a_block_a_queued_copy_fills_may_be_refused():
 def test_the_bound_without_the_copy_rule_calls_that_refusal_spurious(monkeypatch):
     from kvprop.check import checker
 
-    monkeypatch.setattr(checker, "_pending_copies", lambda view: [])
+    monkeypatch.setattr(checker.Checker, "_filled_by_copies", staticmethod(lambda engine: set()))
     failure = _copy_filled_hit_replay()
     assert (failure.step, failure.kind) == (31, "spurious-refusal")

@@ -62,7 +62,7 @@ class Checker(Hooks):
         if self.incremental(engine) and self.mirror is not None:
             view = engine.view
             self.pending_changes |= view.take_changes()  # moved, not yet judged: their key now is the start's
-            self.mirror.first_keys = {block_id: _keys_of(view, block_id) for block_id in self.pending_changes}
+            self.mirror.first_keys = {block_id: inv.keys_of(view, block_id) for block_id in self.pending_changes}
             self.states_at_step_start = None
         else:
             self.states_at_step_start = frozenset(self._cached_states(engine))
@@ -72,7 +72,7 @@ class Checker(Hooks):
         """(block, key) of every state key in the pool, a key inside a block included."""
         view = engine.view
         for block_id in range(view.num_blocks):
-            for key in _keys_of(view, block_id):
+            for key in inv.keys_of(view, block_id):
                 if key[1] in engine.state_groups:
                     yield block_id, key
 
@@ -85,12 +85,7 @@ class Checker(Hooks):
         a hit on one may be refused until the next step (``MambaManager.cached_blocks_this_step``)."""
         if not engine.state_groups:
             return set()
-        filled = {
-            key
-            for _, copy in _pending_copies(engine.view)
-            for key in _keys_of(engine.view, copy)
-            if key[1] in engine.state_groups
-        }
+        filled = self._filled_by_copies(engine)
         start = self.states_at_step_start
         if start is not None:
             since = {key for block_id, key in self._cached_states(engine) if (block_id, key) not in start}
@@ -105,10 +100,21 @@ class Checker(Hooks):
             first.setdefault(block_id, (mirror.keys[block_id], *mirror.further.get(block_id, ())))
         since = set()
         for block_id, keys_at_start in first.items():
-            for key in _keys_of(view, block_id):
+            for key in inv.keys_of(view, block_id):
                 if key[1] in engine.state_groups and key not in keys_at_start:
                     since.add(key)
         return since | self.cached_by_allocations | filled
+
+    @staticmethod
+    def _filled_by_copies(engine) -> set:
+        """The state keys of the blocks a queued copy fills."""
+        view = engine.view
+        return {
+            key
+            for _, copy in inv.pending_copies(view)
+            for key in inv.keys_of(view, copy)
+            if key[1] in engine.state_groups
+        }
 
     def _note_cached_states(self, engine, request_id: str, cached_before: dict) -> None:
         """The state blocks this allocation cached: those its cached count passed over, and, when
@@ -306,18 +312,6 @@ class Checker(Hooks):
             self.signatures.clear()
             self.pending_changes = set()
             self.judged_in_step = set()
-
-
-def _pending_copies(view) -> list:
-    """(source, copy) of the block copies a view reports queued; none for a view without copies."""
-    report = getattr(view, "pending_copies", None)
-    return report() if report is not None else []
-
-
-def _keys_of(view, block_id: int) -> tuple:
-    """Every key ``block_id`` is cached under: its own, then those inside it."""
-    key = view.cache_key(block_id)
-    return () if key is None else (key, *inv.further_keys(view, block_id))
 
 
 STALLED_STEPS = 2  # steps in a row that left the engine's stall signature as it was

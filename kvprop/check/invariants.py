@@ -40,6 +40,18 @@ def further_keys(view, block_id: int) -> list:
     return report(block_id) if report is not None else []
 
 
+def keys_of(view, block_id: int) -> tuple:
+    """Every key ``block_id`` is cached under: its own, then those inside it."""
+    key = view.cache_key(block_id)
+    return () if key is None else (key, *further_keys(view, block_id))
+
+
+def pending_copies(view) -> list:
+    """(source id, copy id) of the block copies a view reports queued; none for a view without copies."""
+    report = getattr(view, "pending_copies", None)
+    return report() if report is not None else []
+
+
 NO_COPIES: dict = {}  # read-only: what pending_copy_refs returns while no copy is queued
 
 
@@ -47,8 +59,7 @@ def pending_copy_refs(view) -> dict:
     """Block id -> references held for queued block copies (each holds its source and its copy
     once); empty for a view without copies. Every check asks, and copies are rare: the empty
     answer builds nothing."""
-    report = getattr(view, "pending_copies", None)
-    pairs = report() if report is not None else ()
+    pairs = pending_copies(view)
     return Counter(block_id for pair in pairs for block_id in pair) if pairs else NO_COPIES
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from kvprop.allocator.hashing import state_fingerprint
 from kvprop.allocator.specs import cdiv
-from kvprop.check.invariants import further_keys, own_cache_key
+from kvprop.check.invariants import keys_of, own_cache_key
 from kvprop.errors import Violation
 
 # ---- 11. the caller's contract ----------------------------------------------------------------
@@ -31,8 +31,7 @@ def foreign_hits(view, request, hits) -> bool:
         for i, block in enumerate(group_hits):
             if block.block_id == view.null_block_id:
                 continue
-            keys = [view.cache_key(block.block_id), *further_keys(view, block.block_id)]
-            if not request.keys_in_block(i, g).intersection(keys):
+            if not request.keys_in_block(i, g).intersection(keys_of(view, block.block_id)):
                 return True
     return False
 
