@@ -209,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="NAME",
         help="run kvprop's allocator as this variant: a release's known bug kvprop fixes (vLLM 0.33.0: "
-        "checkpoint-over-running-state+reannounces-every-position; 0.30.0: reannounces-every-position), "
+        "checkpoint-over-running-state+reannounces-every-position+copy-before-compute; 0.30.0: "
+        "reannounces-every-position), "
         "so that everything else can still be compared; names joined by '+' switch on several",
     )
     ag.add_argument("--json", action="store_true", help="print one JSON object")

@@ -17,7 +17,8 @@ MAX_WALKS = 200  # per variant; the walker finds each within a few dozen (README
 # ... and this engine variant (a hit inside a block, then a chunk saving a checkpoint), first
 # found at walk seed 352: its replays would cost CI a minute; the two other checkpoint
 # variants (found at seed 48) compare the same checks on the same shapes
-SLOW_TO_FIND = {"checkpoint-chunk-past-block"}
+SLOW_TO_FIND = {"checkpoint-chunk-past-block", "copy-before-compute"}  # the second: a long search's
+# find, compared both ways in tests/test_same_step_copy.py
 
 
 def _words(failure):

@@ -8,6 +8,7 @@ Run inside an environment built by ``make vllm-env VLLM_VERSION=...``::
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import attrs
 import pytest
@@ -399,6 +400,12 @@ def test_a_checkpoint_overwrites_the_running_state_in_0_33():
 @pytest.mark.skipif(RELEASE < (0, 33), reason="prefill checkpoints follow 0.33.0's rules from 0.33.0 only")
 def test_a_checkpoint_chunk_runs_past_the_block_its_hit_ends_inside_in_0_33():
     assert outcome(checkpoint_find("past-block", "vllm-scheduler")) == "data-mismatch"
+
+
+@pytest.mark.skipif(RELEASE < (0, 33), reason="0.30.0's hits inside a block follow other rules (the target refuses them)")
+def test_a_hit_inside_a_block_keyed_in_the_same_step_copies_it_unwritten_in_0_33():
+    """tests/test_same_step_copy.py's find: the copy runs before the forward pass computes its source."""
+    assert outcome(tr.load(Path(__file__).parent / "data" / "copy-before-compute.json")) == "data-mismatch"
 
 
 def test_a_load_reserves_a_speculative_step_the_pool_cannot_spare_from_0_33():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -338,6 +339,13 @@ def test_a_checkpoint_overwrites_the_running_state_in_0_33():
     assert [getattr(execute(trace, target=t), "kind", None) for t in ("vllm", None)] == ["data-mismatch", None]
 
 
+@pytest.mark.skipif(RELEASE < (0, 33), reason="0.30.0's hits inside a block follow other rules (the target refuses them)")
+def test_a_hit_inside_a_block_keyed_in_the_same_step_copies_it_unwritten_in_0_33():
+    """README, finds: the manager copies a block the forward pass has not yet computed."""
+    trace = tr.load(Path(__file__).parent / "data" / "copy-before-compute.json")
+    assert [getattr(execute(trace, target=t), "kind", None) for t in ("vllm", None)] == ["data-mismatch", None]
+
+
 # ---- retention and step-for-step agreement with kvprop's model -------------------------------
 
 
@@ -388,7 +396,7 @@ def eagle_seeds(count: int) -> list[int]:
 # the rules of a release that kvprop fixes (README, finds): kvprop runs as them to compare the rest
 KNOWN_RULES = {
     (0, 30): "reannounces-every-position",
-    (0, 33): "checkpoint-over-running-state+reannounces-every-position",
+    (0, 33): "checkpoint-over-running-state+reannounces-every-position+copy-before-compute",
 }
 
 

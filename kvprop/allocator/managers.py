@@ -193,6 +193,38 @@ class SingleTypeManager:
 
 
 class FullAttentionManager(SingleTypeManager):
+    """Full attention: every block stays attended; with hits inside a block, the prompt's last
+    hash boundary inside a block is keyed too, and a hit ending there gets a copy.
+
+    A copy runs before the step's forward pass (vLLM's worker applies
+    ``kv_cache_block_copies`` before the model runs), so a block keyed at a boundary inside it
+    in the current step (its tokens up to the boundary are computed by this step's forward
+    pass, or it receives a copy this step) cannot be a copy's source until the next step:
+    such a hit is refused for the rest of the step, as the state group refuses a state
+    computed this step. vLLM 0.33.0 has no such rule for attention groups and copies what the
+    block held before (README, finds); variant ``copy-before-compute`` is its rule."""
+
+    guard_same_step_copy = True
+
+    def __init__(self, spec, pool: BlockPool, group_id: int, enable_caching: bool, retention_interval=None):
+        super().__init__(spec, pool, group_id, enable_caching, retention_interval)
+        self.keyed_this_step: set[int] = set()  # blocks keyed inside them in the current step
+
+    def new_step_starts(self) -> None:
+        self.keyed_this_step.clear()
+
+    def count_blocks_to_allocate(
+        self, request_id, num_tokens, hits, total_computed_tokens, num_local=0, prefill_end=0
+    ) -> int:
+        if (
+            self.guard_same_step_copy
+            and request_id not in self.num_cached_block
+            and self._partial_local_hit(hits, num_local)
+            and hits[-1].block_id in self.keyed_this_step
+        ):
+            return self.pool.num_blocks + 1  # its copy would read positions not yet written: not this step
+        return super().count_blocks_to_allocate(request_id, num_tokens, hits, total_computed_tokens, num_local)
+
     def find_longest_cache_hit(self, block_hashes: list[int], max_length: int) -> list[Block]:
         hits = []
         for block_hash in block_hashes[: max_length // self.block_size]:
@@ -236,7 +268,10 @@ class FullAttentionManager(SingleTypeManager):
         table = self.req_to_blocks[request.request_id]
         index = boundary // self.block_size
         if index < len(table):
-            self.pool.cache_partial(table[index], request.unit_hashes[boundary // u - 1], self.group_id, boundary)
+            block, unit_hash = table[index], request.unit_hashes[boundary // u - 1]
+            if (unit_hash, self.group_id) not in self.pool.keys_of(block):
+                self.keyed_this_step.add(block.block_id)
+            self.pool.cache_partial(block, unit_hash, self.group_id, boundary)
 
 
 class SlidingWindowManager(SingleTypeManager):

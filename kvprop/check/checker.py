@@ -10,6 +10,7 @@ every run; otherwise every check is a full sweep.
 
 from __future__ import annotations
 
+from kvprop.allocator.specs import FullAttention
 from kvprop.check import decisions, moments
 from kvprop.check import invariants as inv
 from kvprop.check.events import EventLedger
@@ -68,22 +69,35 @@ class Checker(Hooks):
             self.states_at_step_start = frozenset(self._cached_states(engine))
 
     @staticmethod
-    def _cached_states(engine):
-        """(block, key) of every state key in the pool, a key inside a block included."""
-        view = engine.view
+    def same_step_groups(engine) -> frozenset:
+        """The groups where a hit on a block keyed in the current step may wait for the next
+        step: state groups (the state is computed by this step's forward pass), and full
+        attention when hits may end inside a block (a copy of a block keyed inside it this step
+        would run before the forward pass writes it; kvprop's ``guard_same_step_copy``)."""
+        groups = engine.state_groups
+        if engine.config.allocator.partial_hits:
+            groups = groups | {g for g, spec in enumerate(engine.specs) if isinstance(spec, FullAttention)}
+        return groups
+
+    @classmethod
+    def _cached_states(cls, engine):
+        """(block, key) of every key in the same-step groups, a key inside a block included."""
+        view, groups = engine.view, cls.same_step_groups(engine)
         for block_id in range(view.num_blocks):
             for key in inv.keys_of(view, block_id):
-                if key[1] in engine.state_groups:
+                if key[1] in groups:
                     yield block_id, key
 
-    def _same_step_states(self, engine) -> set:
-        """Keys of the state blocks cached since the step began, by an allocation (a block evicted
-        and cached again under its old key included) or by the caching that follows a load
-        (vLLM's scheduler completes loads inside ``schedule()``), and the keys of every block a
-        queued copy fills (its state exists once the copy has run, before this step's forward
-        pass; vLLM 0.33.0 ``MambaManager.allocate_new_blocks``, "defer same-step hits on it"):
-        a hit on one may be refused until the next step (``MambaManager.cached_blocks_this_step``)."""
-        if not engine.state_groups:
+    def _same_step_keys(self, engine) -> set:
+        """Keys cached since the step began in the same-step groups, by an allocation (a block
+        evicted and cached again under its old key included) or by the caching that follows a
+        load (vLLM's scheduler completes loads inside ``schedule()``), and the keys of every
+        state block a queued copy fills (its state exists once the copy has run, before this
+        step's forward pass; vLLM 0.33.0 ``MambaManager.allocate_new_blocks``, "defer same-step
+        hits on it"): a hit on one may be refused until the next step
+        (``MambaManager.cached_blocks_this_step``, kvprop's ``keyed_this_step``)."""
+        groups = self.same_step_groups(engine)
+        if not groups:
             return set()
         filled = self._filled_by_copies(engine)
         start = self.states_at_step_start
@@ -101,7 +115,7 @@ class Checker(Hooks):
         since = set()
         for block_id, keys_at_start in first.items():
             for key in inv.keys_of(view, block_id):
-                if key[1] in engine.state_groups and key not in keys_at_start:
+                if key[1] in groups and key not in keys_at_start:
                     since.add(key)
         return since | self.cached_by_allocations | filled
 
@@ -132,7 +146,7 @@ class Checker(Hooks):
         if not self.enabled:
             return None
         view = engine.view
-        rid, same_step = request.request_id, self._same_step_states(engine)
+        rid, same_step = request.request_id, self._same_step_keys(engine)
         cached = {g: view.num_cached_blocks(g, rid) or 0 for g in engine.state_groups}
         if not self.incremental(engine):
             before = inv.snapshot(view, rid)
@@ -304,7 +318,7 @@ class Checker(Hooks):
         tables, keys = self._sweep_structure(engine)
         # the writes since the last check first, as the incremental check judges them: two
         # writers of one slot in a step cannot both read back
-        inv.check_recent_data(engine, view, [], self.expected_rows)
+        inv.check_recent_data(engine, view, [], self.expected_rows, copies=False)
         inv.check_data(engine, view, tables, keys, self.expected_rows)
         self.check_events(engine)
         if self.incremental(engine):

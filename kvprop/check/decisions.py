@@ -16,15 +16,17 @@ import attrs
 
 from kvprop.allocator.checkpoint import chunk_checkpoint
 from kvprop.allocator.specs import ChunkedLocal, FullAttention, Mamba, SlidingWindow, cdiv
+from kvprop.check.invariants import keys_of
 from kvprop.errors import Violation
 
 
 def capacity_bounds(
-    engine, request, num_new_tokens: int, kwargs, tables, same_step_states=frozenset()
+    engine, request, num_new_tokens: int, kwargs, tables, same_step_keys=frozenset()
 ) -> tuple[int, int, int, int]:
     """(generous need, conservative need, free blocks now, blocks the window's skipping frees);
     ``tables`` are the request's block ids per group (None where it has none);
-    ``same_step_states`` the keys of state blocks cached in the current step."""
+    ``same_step_keys`` the keys cached in the current step where a hit on them may wait
+    (``Checker.same_step_groups``)."""
     view = engine.view
     bs, null = view.block_size, view.null_block_id
     hits = kwargs.get("new_computed_blocks")
@@ -44,7 +46,7 @@ def capacity_bounds(
             group_hits = hits[g] if hits is not None else ()
             checkpoint = _possible_checkpoint(engine, request, spec, computed, main)
             need, frees = _state_group_need(
-                view, table, group_hits, main, computed, same_step_states, spec.speculative_blocks, checkpoint
+                view, table, group_hits, main, computed, same_step_keys, spec.speculative_blocks, checkpoint
             )
             if engine.config.allocator.partial_hits:
                 # a copy of the shared state block: certain when the hit ends inside it; possible
@@ -65,13 +67,15 @@ def capacity_bounds(
         group_hits = [b.block_id for b in hits[g]] if hits is not None else []
         evictable = [i for i, b in enumerate(group_hits) if b != null and view.ref_cnt(b) == 0]
         copy = _copy_of_tail(group_hits, local, bs)
+        if copy and any(key in same_step_keys for key in keys_of(view, group_hits[-1])):
+            conservative = view.num_blocks + 1  # the copy's source is keyed this step: may wait
         generous += max(0, cdiv(slots, bs) - max(skipped, len(group_hits))) + sum(i >= skipped for i in evictable)
         generous += copy
         conservative += max(0, cdiv(slots, bs) - len(group_hits)) + len(evictable) + copy
     if kwargs.get("full_sequence_must_fit") and request.num_tokens > main:
         # vLLM's admission gate (its scheduler's, 0.24.0 on): the whole sequence must fit too
         whole = {**kwargs, "full_sequence_must_fit": False, "num_lookahead_tokens": 0}
-        gate = capacity_bounds(engine, request, request.num_tokens - computed, whole, tables, same_step_states)
+        gate = capacity_bounds(engine, request, request.num_tokens - computed, whole, tables, same_step_keys)
         conservative = max(conservative, gate[1])
     # blocks vLLM's scheduler keeps back for loads and prefills in flight (0.24.0 on)
     conservative += kwargs.get("reserved_blocks", 0)

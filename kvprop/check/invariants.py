@@ -508,19 +508,52 @@ def check_data(engine, view, tables, keys, memo: dict) -> None:
     report_mismatch(memory, slots, expected, origin)
 
 
-def check_recent_data(engine, view, changed_cached, memo: dict) -> None:
+def check_recent_data(engine, view, changed_cached, memo: dict, copies: bool = True) -> None:
     """7, incrementally: every write since the last check reads back (two writers of one
-    slot in a step cannot both), every block that changed and is cached holds its hash's
-    data, and the null block is unwritten."""
+    slot in a step cannot both), every position a block copy filled holds what the request
+    computing there expects (``copies``; a full sweep's ``check_data`` judges those with every
+    other position), every block that changed and is cached holds its hash's data, and the
+    null block is unwritten."""
     bs, memory = view.block_size, engine.memory
-    slots, expected = memory.take_recent_writes()
-    if not slots and not changed_cached:
+    slots, expected, copied = memory.take_recent_writes()
+    if not slots and not changed_cached and not copied:
         return
     changed_cached = [*changed_cached, *((b, k) for b, _ in changed_cached for k in further_keys(view, b))]
     origin = Origins()
     origin.run(len(slots), lambda j: ("a write this step", -1, slots[j] % bs, slots[j] // bs))
+    if copied and copies:
+        _expect_copied_positions(engine, view, set(copied), slots, expected, origin)
     _expect_cached_and_null(engine, view, changed_cached, slots, expected, origin, memo)
     report_mismatch(memory, slots, expected, origin)
+
+
+def _expect_copied_positions(engine, view, copied: set, slots, expected, origin) -> None:
+    """Add the fingerprints of the positions a block copy filled that a running request counts
+    as computed, as ``check_data`` expects of every computed position: a copy brings whatever
+    its source held, so the value it wrote proves nothing (a copy that ran before its source
+    was computed, vLLM 0.33.0; README, finds). In a state group that is the running state."""
+    bs = view.block_size
+    blocks = {slot // bs for slot in copied}
+    for rid, request in engine.requests.items():
+        if request.status not in (Status.RUNNING, Status.LOADED):
+            continue
+        computed, prefix = request.num_computed_tokens, request.prefix
+        for g, spec in enumerate(engine.specs):
+            if isinstance(spec, Mamba):
+                block_id = engine.state_block(request, g) if computed > 0 else None
+                if block_id in blocks and block_id * bs in copied:
+                    slots.append(block_id * bs)
+                    expected.append(state_fingerprint(g, computed, prefix[computed - 1]))
+                    origin.append((rid, g, computed, block_id))
+                continue
+            for index, block_id in enumerate(view.request_block_ids(g, rid) or ()):
+                if block_id not in blocks:
+                    continue
+                for p in range(index * bs, min(computed, (index + 1) * bs)):
+                    if block_id * bs + p % bs in copied:
+                        slots.append(block_id * bs + p % bs)
+                        expected.append(fingerprint(g, p, prefix[p]))
+                        origin.append((rid, g, p, block_id))
 
 
 def expected_cached_row(engine, key, memo: dict):

@@ -39,16 +39,17 @@ class PagedMemory:
         self.recent: list | None = None  # (slots, values) of writes since a checker last looked, when it asks
         self.copied: dict = {}  # slot -> value a block copy put there, until a write replaces it
 
-    def take_recent_writes(self) -> tuple[list[int], list[int]]:
-        """Every write since the last call, flattened; starts recording on the first call."""
+    def take_recent_writes(self) -> tuple[list[int], list[int], list[int]]:
+        """Every write since the last call, flattened, and the slots a block copy filled since
+        then that no write has replaced (what they must hold is the checker's to say: the copy
+        brings whatever its source held); starts recording on the first call."""
         slots, values = [], []
         for s, v in self.recent or ():
             slots.extend(s)
             values.extend(v)
-        slots.extend(self.copied)
-        values.extend(self.copied.values())
+        copied = list(self.copied)
         self.recent, self.copied = [], {}
-        return slots, values
+        return slots, values, copied
 
     def _index(self, slots) -> torch.Tensor:
         return torch.as_tensor(slots, dtype=torch.int64, device=self.device)

@@ -265,6 +265,14 @@ class PartialHitShared(SingleTypeManager):
         return False
 
 
+class CopyBeforeCompute(FullAttentionManager):
+    """vLLM 0.33.0's rule: a hit ending inside a block keyed at that boundary in the current step
+    is admitted at once, and its copy, which the worker runs before the step's forward pass,
+    reads the block before the forward pass has written it."""
+
+    guard_same_step_copy = False
+
+
 class StateKeyNotMoved(MambaManager):
     """Queues the copy of a state block its own request keyed inside it, but leaves the keys on
     the block the request keeps writing, instead of moving them to the copy."""
@@ -422,6 +430,11 @@ VARIANTS = {
             "partial-hit-shared",
             "a hit that ends inside a block keeps the shared block, uncopied, and computes into it",
             parts=Parts(managers=_mixed_managers(PartialHitShared)),
+        ),
+        Variant(
+            "copy-before-compute",
+            "a hit ending inside a block keyed in the current step is copied before the step computes the block",
+            parts=_with_manager(FullAttention, CopyBeforeCompute),
         ),
         Variant(
             "state-key-not-moved",
