@@ -37,7 +37,7 @@ class PagedMemory:
         # the same memory as an array, where the tensor is host memory; None on a device
         self.host = self.flat.numpy() if self.device.type == "cpu" else None
         self.recent: list | None = None  # (slots, values) of writes since a checker last looked, when it asks
-        self.copied: dict = {}  # slot -> value a block copy put there, until a write replaces it
+        self.copied: set = set()  # slots a block copy filled, until a write replaces them
 
     def take_recent_writes(self) -> tuple[list[int], list[int], list[int]]:
         """Every write since the last call, flattened, and the slots a block copy filled since
@@ -47,8 +47,8 @@ class PagedMemory:
         for s, v in self.recent or ():
             slots.extend(s)
             values.extend(v)
-        copied = list(self.copied)
-        self.recent, self.copied = [], {}
+        copied = sorted(self.copied)
+        self.recent, self.copied = [], set()
         return slots, values, copied
 
     def _index(self, slots) -> torch.Tensor:
@@ -64,7 +64,7 @@ class PagedMemory:
                 self.recent.append((slots, values))
                 if self.copied:
                     for slot in slots:
-                        self.copied.pop(slot, None)
+                        self.copied.discard(slot)
 
     def copy(self, source: int, dest: int) -> None:
         """Copy one slot over another that this step may already have written: a worker's
@@ -87,7 +87,7 @@ class PagedMemory:
         src, dst = slice(source * bs, (source + 1) * bs), slice(dest * bs, (dest + 1) * bs)
         self.flat[dst] = self.flat[src]
         if self.recent is not None:
-            self.copied.update(zip(range(dst.start, dst.stop), self.flat[dst].tolist()))
+            self.copied.update(range(dst.start, dst.stop))
 
     def read(self, slots: list[int]) -> list[int]:
         if not slots:
