@@ -471,41 +471,12 @@ def _needed_entries(spec, table, skipped_blocks: int, computed: int):
 def check_data(engine, view, tables, keys, memo: dict) -> None:
     """Every computed position of a running request reads back its fingerprint; every cached
     block holds the data of the prefix its hash names; the null block is never written."""
-    bs, null, memory = view.block_size, view.null_block_id, engine.memory
     slots, expected, origin = [], [], Origins()
-    for rid, request in engine.requests.items():
-        if request.status not in (Status.RUNNING, Status.LOADED):
-            continue
-        computed, prefix = request.num_computed_tokens, request.prefix
-        for g, spec in enumerate(engine.specs):
-            table = tables[(rid, g)]
-            if isinstance(spec, Mamba):
-                if computed > 0:  # the running state: after exactly the computed tokens
-                    block_id = engine.state_block(request, g)
-                    if block_id not in table:
-                        raise Violation(
-                            "state-not-held",
-                            f"{rid!r} state group {g} keeps its state after {computed} tokens in block "
-                            f"{block_id}, which its table no longer holds",
-                            blocks=[block_id],
-                            requests=[rid],
-                            groups=[g],
-                        )
-                    slots.append(block_id * bs)
-                    expected.append(state_fingerprint(g, computed, prefix[computed - 1]))
-                    origin.append((rid, g, computed, block_id))
-                continue
-            for p in range(computed):
-                block_id = table[p // bs]
-                if block_id == null:
-                    continue
-                slots.append(block_id * bs + p % bs)
-                expected.append(fingerprint(g, p, prefix[p]))
-                origin.append((rid, g, p, block_id))
+    _expect_computed(engine, view, lambda rid, g: tables[(rid, g)], slots, expected, origin)
     cached = [(b, k) for b, k in enumerate(keys) if k is not None]
     cached += [(b, k) for b, extra in extra_keys(view).items() for k in extra]
     _expect_cached_and_null(engine, view, cached, slots, expected, origin, memo)
-    report_mismatch(memory, slots, expected, origin)
+    report_mismatch(engine.memory, slots, expected, origin)
 
 
 def check_recent_data(engine, view, changed_cached, memo: dict, copies: bool = True) -> None:
@@ -522,36 +493,55 @@ def check_recent_data(engine, view, changed_cached, memo: dict, copies: bool = T
     origin = Origins()
     origin.run(len(slots), lambda j: ("a write this step", -1, slots[j] % bs, slots[j] // bs))
     if copied and copies:
-        _expect_copied_positions(engine, view, set(copied), slots, expected, origin)
+
+        def table_of(rid, g):
+            return view.request_block_ids(g, rid) or ()
+
+        _expect_computed(engine, view, table_of, slots, expected, origin, only=set(copied))
     _expect_cached_and_null(engine, view, changed_cached, slots, expected, origin, memo)
     report_mismatch(memory, slots, expected, origin)
 
 
-def _expect_copied_positions(engine, view, copied: set, slots, expected, origin) -> None:
-    """Add the fingerprints of the positions a block copy filled that a running request counts
-    as computed, as ``check_data`` expects of every computed position: a copy brings whatever
-    its source held, so the value it wrote proves nothing (a copy that ran before its source
-    was computed, vLLM 0.33.0; README, finds). In a state group that is the running state."""
-    bs = view.block_size
-    blocks = {slot // bs for slot in copied}
+def _expect_computed(engine, view, table_of, slots, expected, origin, only: set | None = None) -> None:
+    """Add the fingerprint of every position a running request has computed, through its
+    table ``table_of(request id, group)`` (in a state group: the running state, after exactly
+    those tokens). ``only``: just these slots, the positions a block copy filled. A copy brings
+    whatever its source held, so the value it wrote proves nothing: it must read back as the
+    request computing there expects (a copy that ran before its source was computed, vLLM
+    0.33.0; README, finds)."""
+    bs, null = view.block_size, view.null_block_id
+    blocks = None if only is None else {slot // bs for slot in only}
     for rid, request in engine.requests.items():
         if request.status not in (Status.RUNNING, Status.LOADED):
             continue
         computed, prefix = request.num_computed_tokens, request.prefix
         for g, spec in enumerate(engine.specs):
+            table = table_of(rid, g)
             if isinstance(spec, Mamba):
-                block_id = engine.state_block(request, g) if computed > 0 else None
-                if block_id in blocks and block_id * bs in copied:
-                    slots.append(block_id * bs)
-                    expected.append(state_fingerprint(g, computed, prefix[computed - 1]))
-                    origin.append((rid, g, computed, block_id))
+                if computed > 0:  # the running state: after exactly the computed tokens
+                    block_id = engine.state_block(request, g)
+                    if only is None and block_id not in table:
+                        raise Violation(
+                            "state-not-held",
+                            f"{rid!r} state group {g} keeps its state after {computed} tokens in block "
+                            f"{block_id}, which its table no longer holds",
+                            blocks=[block_id],
+                            requests=[rid],
+                            groups=[g],
+                        )
+                    if only is None or block_id * bs in only:
+                        slots.append(block_id * bs)
+                        expected.append(state_fingerprint(g, computed, prefix[computed - 1]))
+                        origin.append((rid, g, computed, block_id))
                 continue
-            for index, block_id in enumerate(view.request_block_ids(g, rid) or ()):
-                if block_id not in blocks:
+            for index in range(cdiv(computed, bs)):
+                block_id = table[index]
+                if block_id == null or (blocks is not None and block_id not in blocks):
                     continue
                 for p in range(index * bs, min(computed, (index + 1) * bs)):
-                    if block_id * bs + p % bs in copied:
-                        slots.append(block_id * bs + p % bs)
+                    slot = block_id * bs + p % bs
+                    if only is None or slot in only:
+                        slots.append(slot)
                         expected.append(fingerprint(g, p, prefix[p]))
                         origin.append((rid, g, p, block_id))
 
