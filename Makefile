@@ -52,7 +52,7 @@ lint: $(STAMP)
 # release from 0.22 on (scripts/vllm-env.sh: torch 2.13.0+cpu, vLLM and its import
 # closure with --no-deps, the closure found by importing until nothing is missing).
 VLLM_VERSION ?= 0.24.0
-VLLM_VERSIONS ?= 0.23.0 0.24.0
+VLLM_VERSIONS ?= 0.23.0 0.24.0 0.34.0
 
 vllm-env:
 	bash scripts/vllm-env.sh $(VLLM_VERSION)

@@ -208,10 +208,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--reference-variant",
         default=None,
         metavar="NAME",
-        help="run kvprop's allocator as this variant: a release's known bug kvprop fixes (vLLM 0.33.0: "
+        help="run kvprop's allocator as this variant: a release's known bug kvprop fixes (vLLM 0.33.0 and 0.34.0: "
         "checkpoint-over-running-state+reannounces-every-position+copy-before-compute; 0.30.0: "
         "reannounces-every-position), "
         "so that everything else can still be compared; names joined by '+' switch on several",
+    )
+    ag.add_argument(
+        "--release-rules",
+        action="store_true",
+        help="take the four options above from the installed vLLM release (what it lacks of kvprop's "
+        "model, and its known bugs: kvprop.targets.vllm_releases); the header names them",
     )
     ag.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -7,6 +7,7 @@ minimised; Ctrl-C while minimising keeps the smallest trace so far.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -408,11 +409,50 @@ def cmd_variants(args) -> int:
     return EXIT_CLEAN
 
 
+RELEASE_OPTIONS = ("no_junction", "block_hits", "no_checkpoints", "incremental_report", "reference_variant")
+
+
+def _take_release_rules(args) -> None:
+    """``--release-rules``: the options of the installed vLLM release (``release_rules``), in
+    place of the flags, which it refuses beside it rather than merge."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from kvprop.targets.vllm import INSTALL_HINT
+    from kvprop.targets.vllm_releases import as_flags, release_rules
+
+    given = [f"--{name.replace('_', '-')}" for name in RELEASE_OPTIONS if getattr(args, name)]
+    if given:
+        raise ConfigError(f"--release-rules sets {', '.join(given)} itself: give one or the other")
+    if args.target not in ("vllm", "vllm-scheduler"):
+        raise ConfigError(f"--release-rules applies to the vLLM targets (vllm, vllm-scheduler), not {args.target!r}")
+    try:
+        installed = version("vllm")
+    except PackageNotFoundError:
+        raise ConfigError(f"--release-rules: vLLM is not installed here; {INSTALL_HINT}") from None
+    numbers = re.match(r"(\d+)\.(\d+)", installed)
+    if numbers is None:
+        raise ConfigError(f"--release-rules: the installed vLLM's version {installed!r} is not MAJOR.MINOR...")
+    rules = release_rules((int(numbers[1]), int(numbers[2])))
+    for name in RELEASE_OPTIONS:
+        setattr(args, name, rules.get(name, None if name == "reference_variant" else False))
+    _say(args, f"vLLM {installed}: {as_flags(rules) or 'no options'}")
+
+
+def _agree_flags(args) -> list[str]:
+    """The options this run compared with, as flags (the reproduce line repeats them)."""
+    if args.release_rules:
+        return ["--release-rules"]
+    flags = [f"--{name.replace('_', '-')}" for name in RELEASE_OPTIONS[:-1] if getattr(args, name)]
+    return flags + ([f"--reference-variant {args.reference_variant}"] if args.reference_variant else [])
+
+
 def cmd_agree(args) -> int:
     from kvprop.search.agree import agree
 
     if args.target == "kvprop":
         raise ConfigError("agree compares kvprop's allocator with another target: give --target vllm or pkg.mod:f")
+    if args.release_rules:
+        _take_release_rules(args)
     _check_allocator(args.reference_variant, None)  # an unknown name is refused before anything runs
     _check_allocator(None, args.target)
     _say(args, f"kvprop {__version__} agree: kvprop vs {args.target}, walks {args.seed}..{args.seed + args.walks - 1}")
@@ -442,11 +482,7 @@ def cmd_agree(args) -> int:
             f"DISAGREE at walk seed {d.seed}, operation {d.step} ({d.operation}), {d.what}:\n"
             f"  kvprop:  {d.reference}\n  {args.target}: {d.target}\n"
             f"reproduce: kvprop agree --target {args.target} --seed {d.seed} --walks 1"
-            + (" --no-junction" if args.no_junction else "")
-            + (" --block-hits" if args.block_hits else "")
-            + (" --no-checkpoints" if args.no_checkpoints else "")
-            + (" --incremental-report" if args.incremental_report else "")
-            + (f" --reference-variant {args.reference_variant}" if args.reference_variant else "")
+            + "".join(f" {flag}" for flag in _agree_flags(args))
         )
     return EXIT_CLEAN if d is None else EXIT_FOUND
 

@@ -5,10 +5,9 @@
 # there), run kvprop's vLLM tests (pytest -m vllm tests/test_vllm_target.py
 # tests/test_vllm_scheduler.py), a fixed
 # walk budget (kvprop fuzz --target vllm --workers 1 --max-runs 300 --seconds 600 --seed 0),
-# the step-for-step agreement with kvprop's model (kvprop agree --walks 100; --no-junction,
-# --no-checkpoints and --incremental-report before 0.30.0; --block-hits and --no-checkpoints on
-# 0.30.0, whose hits inside a block and checkpoints differ; from 0.30.0 kvprop runs as the rules
-# of the release's finds it fixes, --reference-variant) and the coverage of vLLM's KV core (kvprop coverage
+# the step-for-step agreement with kvprop's model (kvprop agree --walks 100 --release-rules: what
+# the release lacks of kvprop's model and the rules of its finds kvprop fixes,
+# kvprop/targets/vllm_releases.py) and the coverage of vLLM's KV core (kvprop coverage
 # --seconds $VLLM_MATRIX_COVERAGE_SECONDS, default 60), then print one row per release:
 #
 #   release | builds | tests (passed/failed) | steps | verdict (clean / found KIND) | agree | coverage
@@ -66,20 +65,7 @@ for v in "$@"; do
   (cd "$log" && "$py" -m kvprop fuzz --target vllm --workers 1 --max-runs "$MAX_RUNS" \
     --seconds "$SECONDS_BUDGET" --seed 0 --json --out "$log/counterexamples") \
     >"$log/fuzz.json" 2>"$log/fuzz.log"
-  legacy=$("$py" - <<'PYEOF'
-import vllm
-from packaging.version import Version
-r = Version(vllm.__version__).release[:2]
-# what each release lacks or has otherwise, and the rules of its finds kvprop fixes (README)
-if r < (0, 30):
-    print("--no-junction --no-checkpoints --incremental-report")
-elif r < (0, 33):
-    print("--block-hits --no-checkpoints --reference-variant reannounces-every-position")
-else:
-    print("--reference-variant checkpoint-over-running-state+reannounces-every-position")
-PYEOF
-)
-  (cd "$log" && "$py" -m kvprop agree --target vllm --walks "$AGREE_WALKS" $legacy --json) >"$log/agree.json" 2>"$log/agree.log"
+  (cd "$log" && "$py" -m kvprop agree --target vllm --walks "$AGREE_WALKS" --release-rules --json) >"$log/agree.json" 2>"$log/agree.log"
   (cd "$log" && "$py" -m kvprop coverage --target vllm --seconds "$COVERAGE_SECONDS" --json) \
     >"$log/coverage.json" 2>"$log/coverage.log"
   IFS='|' read -r steps verdict agree covered < <("$py" - "$log" <<'PYEOF'

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from kvprop.targets.vllm_releases import RULES_0_33, as_flags, release_rules
+
 BUG = "interleaved-external-alloc"
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -178,6 +180,38 @@ def test_agree_with_a_target_that_wraps_kvprops_allocator_agrees():
 def test_agree_with_a_bad_target_exits_2_and_says_why(target, says):
     r = kvprop("agree", "--target", target, "--walks", "2", cwd=ROOT)
     assert (r.returncode, says in r.stderr, "Traceback" in r.stderr) == (2, True, False), r.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("--target", "vllm", "--block-hits"), "--release-rules sets --block-hits itself: give one or the other"),
+        (("--target", "tests.example_target:make_target"), "--release-rules applies to the vLLM targets"),
+    ],
+)
+def test_agree_with_release_rules_and_what_they_exclude_exits_2(args, says):
+    r = kvprop("agree", "--release-rules", *args, "--walks", "2", cwd=ROOT)
+    assert (r.returncode, says in r.stderr, "Traceback" in r.stderr) == (2, True, False), r.stderr
+
+
+def test_agree_with_release_rules_without_vllm_exits_2_and_says_how_to_get_it():
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    r = kvprop("agree", "--release-rules", "--target", "vllm", "--walks", "2", cwd=ROOT)
+    says = "--release-rules: vLLM is not installed here; build a CPU-only vLLM environment"
+    assert (r.returncode, says in r.stderr, "Traceback" in r.stderr) == (2, True, False), r.stderr
+
+
+@pytest.mark.parametrize(
+    ("release", "flags"),
+    [
+        ((0, 24, 0), "--no-junction --no-checkpoints --incremental-report"),
+        ((0, 30, 0), "--block-hits --no-checkpoints --reference-variant reannounces-every-position"),
+        ((0, 34, 0), f"--reference-variant {RULES_0_33}"),
+    ],
+)
+def test_release_rules_name_what_each_release_lacks_and_its_known_bugs(release, flags):
+    assert as_flags(release_rules(release)) == flags
 
 
 # ---- bench --------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from kvprop.search.walk import plan, run_walk  # noqa: E402
 from kvprop.sim.request import Request  # noqa: E402
 from kvprop.targets import build_engine  # noqa: E402
 from kvprop.targets.vllm import make_target  # noqa: E402
+from kvprop.targets.vllm_releases import release_rules  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -393,39 +394,18 @@ def eagle_seeds(count: int) -> list[int]:
     return seeds
 
 
-# the rules of a release that kvprop fixes (README, finds): kvprop runs as them to compare the rest
-KNOWN_RULES = {
-    (0, 30): "reannounces-every-position",
-    (0, 33): "checkpoint-over-running-state+reannounces-every-position+copy-before-compute",
-}
-
-
 @needs_fix  # before 0.24.0 vLLM takes a hit's external blocks group by group, in its own order
 def test_kvprop_and_vllm_agree_step_for_step():
     """The same walks on kvprop's allocator and on vLLM's leave the same tables, cache keys
     and free count after every operation (retention, junctions, windows and hits inside a block
     included; before 0.30.0 vLLM has no junction, so its walks run without retention and state
-    groups; 0.30.0's hits inside a block follow other rules, so its walks end hits on blocks)."""
-    result = agree(
-        "vllm",
-        range(40),
-        no_junction=RELEASE < (0, 30),
-        block_hits=RELEASE[:2] == (0, 30),
-        no_checkpoints=RELEASE < (0, 33),
-        incremental_report=RELEASE < (0, 30),
-        reference_variant=KNOWN_RULES.get(RELEASE),
-    )
+    groups; 0.30.0's hits inside a block follow other rules, so its walks end hits on blocks;
+    from 0.30.0 kvprop runs as the release's known bugs: ``release_rules``)."""
+    result = agree("vllm", range(40), **release_rules(RELEASE))
     assert (result.disagreement, result.walks) == (None, 40)
 
 
 @needs_fix
 def test_kvprop_and_vllm_agree_step_for_step_with_the_eagle_drop():
-    result = agree(
-        "vllm",
-        eagle_seeds(20),
-        no_junction=RELEASE < (0, 30),
-        no_checkpoints=RELEASE < (0, 33),
-        incremental_report=RELEASE < (0, 30),
-        reference_variant=KNOWN_RULES.get(RELEASE),
-    )
+    result = agree("vllm", eagle_seeds(20), **release_rules(RELEASE))
     assert (result.disagreement, result.walks) == (None, 20)

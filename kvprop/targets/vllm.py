@@ -638,6 +638,25 @@ def _block_state(b) -> tuple:
     return b.ref_cnt, b.block_hash, b.prev_free_block is not None or b.next_free_block is not None
 
 
+def map_block_ids(cache_map, vllm_key) -> tuple:
+    """The ids of the blocks vLLM's cache map holds under ``vllm_key``, in either layout.
+
+    Up to 0.33.0 an entry is one block, or a dict of block id -> block when several blocks
+    share a key. From 0.34.0 it is one block id (``_cache``, the block hits take), with every
+    id of a key held by several in ``_dup_ids`` (kept apart so that the map holds no
+    containers for the garbage collector to track). An id in ``_cache`` that is missing from
+    ``_dup_ids`` is still listed: hits take it, so the checker must see it."""
+    entry = cache_map._cache.get(vllm_key)
+    if entry is None:
+        return ()
+    if isinstance(entry, int):
+        several = getattr(cache_map, "_dup_ids", {}).get(vllm_key)
+        if several is None:
+            return (entry,)
+        return tuple(several) if entry in several else (entry, *several)
+    return tuple(entry) if isinstance(entry, dict) else (entry.block_id,)
+
+
 def _watch_blocks(blocks: list) -> dict | None:
     """Makes vLLM's pool blocks note their state (``_block_state``) before vLLM's first write to
     one of their attributes since the last look, in a dict it returns; None if the release's
@@ -768,14 +787,12 @@ class VllmView:
         return self._walk(q.fake_free_list_head.next_free_block, "next_free_block", q.fake_free_list_tail, n)
 
     def cache_map_items(self):
-        # The pool replaces its map on reset_prefix_cache: look it up every time.
-        for vllm_key, entry in list(self.pool.cached_block_hash_to_block._cache.items()):
+        # The pool replaced its map on reset_prefix_cache before 0.34.0: look it up every time.
+        cache_map = self.pool.cached_block_hash_to_block
+        for vllm_key in list(cache_map._cache):
             key = self._key(vllm_key)
-            if isinstance(entry, dict):
-                for block_id in entry:
-                    yield key, block_id
-            else:
-                yield key, entry.block_id
+            for block_id in map_block_ids(cache_map, vllm_key):
+                yield key, block_id
 
     def request_ids(self, group: int):
         return [rid for rid, blocks in list(self.managers[group].req_to_blocks.items()) if blocks]
@@ -832,10 +849,7 @@ class VllmView:
         vllm_key = self._vllm_keys.get(key)
         if vllm_key is None:
             return sum(1 for k, _ in self.cache_map_items() if k == key)
-        entry = self.pool.cached_block_hash_to_block._cache.get(vllm_key)
-        if entry is None:
-            return 0
-        return len(entry) if isinstance(entry, dict) else 1
+        return len(map_block_ids(self.pool.cached_block_hash_to_block, vllm_key))
 
     def raw_table(self, group: int, request_id: str):
         """The live table (vLLM's block objects, compared by identity); never mutated."""
@@ -843,10 +857,7 @@ class VllmView:
         return blocks if blocks else None
 
     def _map_has(self, vllm_key, block_id: int) -> bool:
-        entry = None if vllm_key is None else self.pool.cached_block_hash_to_block._cache.get(vllm_key)
-        if entry is None:
-            return False
-        return block_id in entry if isinstance(entry, dict) else entry.block_id == block_id
+        return vllm_key is not None and block_id in map_block_ids(self.pool.cached_block_hash_to_block, vllm_key)
 
     def block_state(self, block_id: int, old_key):
         """(ref_cnt, key, in free queue, queue links consistent, in the map under key, still in

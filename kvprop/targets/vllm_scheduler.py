@@ -395,10 +395,13 @@ class SchedulerEngine(OffloadWorker, Engine):
             self.worker[new.req_id] = [list(ids) for ids in new.block_ids]
             starts[new.req_id] = new.num_computed_tokens
         cached = output.scheduled_cached_reqs
+        # a resumed request among the running ones: a set in later releases, a flag per row before;
+        # from 0.34.0 a resumed request is sent in full among the new ones, and neither exists
         resumed = getattr(cached, "resumed_req_ids", None)
+        flags = getattr(cached, "resumed_from_preemption", None)
         for i, rid in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
-            again = rid in resumed if resumed is not None else cached.resumed_from_preemption[i]
+            again = rid in resumed if resumed is not None else flags is not None and flags[i]
             if again or rid not in self.worker:
                 self.worker[rid] = [list(ids) for ids in new_ids] if new_ids else [[] for _ in self.specs]
             elif new_ids:
@@ -436,9 +439,9 @@ class SchedulerEngine(OffloadWorker, Engine):
         extra = {}
         if self.scheduler.connector is not None:
             extra["kv_connector_output"] = self._connector_output()
-        return self.s.ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)}, sampled_token_ids=sampled, **extra
-        )
+        if self.s.indexed_outputs:
+            extra["req_id_to_index"] = {rid: i for i, rid in enumerate(ids)}
+        return self.s.ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, **extra)
 
     # ---- the worker side of vLLM's offloading connector -------------------------------------
 

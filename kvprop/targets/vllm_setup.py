@@ -54,6 +54,8 @@ def import_scheduler() -> SimpleNamespace:
         DraftTokenIds=DraftTokenIds,
         KVConnectorOutput=KVConnectorOutput,
         ModelRunnerOutput=ModelRunnerOutput,
+        # up to 0.33.0 an output maps each request id to its row; 0.34.0 reads the rows' order
+        indexed_outputs="req_id_to_index" in _accepted(ModelRunnerOutput),
         RequestStatus=RequestStatus,
         StructuredOutputManager=StructuredOutputManager,
     )
