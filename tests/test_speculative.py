@@ -62,7 +62,7 @@ def test_rejected_slots_stay_in_the_table():
 
 
 def test_the_blocks_accepted_tokens_fill_are_cached_after_verification():
-    """vLLM 0.33.0's post-output caching: the cached count covers the computed tokens at once."""
+    """vLLM's post-output caching with drafts: the cached count covers the computed tokens at once."""
     checker = Checker()
     eng = engine([FullAttention(2)], 64, hooks=checker, speculative_tokens=4, token_budget=16)
     r = eng.add_request([0, 1, 2], 20)
@@ -76,9 +76,11 @@ def test_the_blocks_accepted_tokens_fill_are_cached_after_verification():
 
 def test_a_cached_block_holding_a_rejected_draft_is_blamed():
     """With cache_blocks caching past the computed tokens, a verification pass caches the block
-    whose last position still holds a rejected draft; the data oracle reads it back."""
+    whose last position still holds a rejected draft; the data oracle reads it back. (A prompt
+    of two tokens: the block its first output fills is not full, so caching after that output
+    reads no unwritten position first.)"""
     config = EngineConfig(AllocatorConfig((FullAttention(2),), 16, True), speculative_tokens=2)
-    trace = Trace(config, (AddRequest(0, 0, 1, 0, 6),))
+    trace = Trace(config, (AddRequest(0, 0, 2, 1, 6),))
     failure = execute(trace, variant="cache-past-computed")
     assert (failure.kind, "reads -1" in failure.message) == ("data-mismatch", False)
     assert execute(trace) is None

@@ -113,6 +113,16 @@ class Engine:
         self.state_aligned = any(self.specs[g].mode == "align" for g in self.state_groups)
         # the state groups' prefill-checkpoint alignment (AllocatorConfig requires them all alike)
         self.checkpoint_alignment = next((self.specs[g].checkpoint for g in self.state_groups), None)
+        # The scheduler caches a request's blocks again after each step that gave it a token,
+        # before it frees a finished one (vLLM's ``update_from_output``): with drafts (the blocks
+        # the accepted tokens filled), and from 0.34.0 with a state group and prefix caching too
+        # ("Publish finalized states before retirement or completion"). With a state group and
+        # no drafts the call caches nothing the allocation had not (366 walks each on kvprop's
+        # allocator and on vLLM 0.34.0's manager: the same cache keys after every operation with
+        # and without it); it is made as vLLM's scheduler makes it.
+        self.caches_after_output = config.allocator.enable_caching and (
+            config.speculative_tokens > 0 or bool(self.state_groups)
+        )
         self.tells_steps = hasattr(allocator, "new_step_starts")  # an optional facade call (docs/targets.md)
         self.copies_blocks = hasattr(allocator, "take_kv_cache_block_copies")  # optional too
         # blocks a request's copies of shared blocks may take beyond its tables (max_blocks_needed)
@@ -654,6 +664,8 @@ class Engine:
                 self._verify(request)
             if request.num_computed_tokens == request.num_tokens:
                 if request.num_output_tokens + 1 >= request.max_new_tokens:
+                    if self.caches_after_output:
+                        self.boundary.cache_blocks(request, request.num_computed_tokens)
                     self.running.remove(request)
                     self._free(request)
                     self._retire(request, Status.FINISHED)
@@ -661,8 +673,7 @@ class Engine:
                     continue
                 request.append_token(request.next_token())
                 self._propose(request)
-                if verified and self.config.allocator.enable_caching:
-                    # vLLM 0.33.0's post-output caching: the blocks the accepted tokens filled
+                if self.caches_after_output:
                     self.boundary.cache_blocks(request, request.num_computed_tokens)
 
     def _write_states(self, request: Request, g: int, table, start: int, n: int, slots, values, offload) -> None:
