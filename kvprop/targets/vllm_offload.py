@@ -48,7 +48,11 @@ class OffloadWorker:
         self.offloaded: dict[int, list[int]] = {}  # CPU block id -> the GPU block's slots stored there
         self.transfers: dict[int, Transfer] = {}  # job id -> a transfer in flight
         self.stores_due: list[int] = []  # store jobs that complete after the next forward pass
-        self.done: dict = {"jobs": set(), "recving": set(), "invalid": set()}  # for the next output
+        self.done: dict = self._nothing_done()  # for the next output
+
+    @staticmethod
+    def _nothing_done() -> dict:
+        return {"jobs": set(), "recving": set(), "invalid": set(), "failed": set(), "failed_jobs": set()}
 
     def _start_transfers(self, meta) -> None:
         """Before the pass: flush the stores a reused block still owes, take the new loads (run at
@@ -70,7 +74,8 @@ class OffloadWorker:
 
     def _complete(self, job_id: int, ok: bool = True) -> None:
         """Run transfer ``job_id`` now (a store reads its GPU blocks, a load writes them) and report
-        it with the next output. A failed load writes nothing and reports its blocks invalid."""
+        it with the next output. A failed load writes nothing and is reported as the release's
+        worker reports it (``reports_failed_requests``)."""
         transfer = self.transfers.pop(job_id, None)
         if transfer is None:
             return
@@ -84,6 +89,9 @@ class OffloadWorker:
                 slots.extend(range(block * bs, (block + 1) * bs))
                 values.extend(self.offloaded.get(cpu, [-1] * bs))
             self.memory.write(slots, values)
+        elif transfer.load and self.reports_failed_requests:
+            self.done["failed"].add(transfer.request_id)
+            self.done["failed_jobs"].add(job_id)
         elif transfer.load:
             self.done["invalid"].update(block for _, block in transfer.gpu)
         else:
@@ -98,21 +106,40 @@ class OffloadWorker:
         loads finished, the blocks a failed load left invalid."""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 
-        done, self.done = self.done, {"jobs": set(), "recving": set(), "invalid": set()}
+        done, self.done = self.done, self._nothing_done()
+        failures = {"failed_jobs": done["failed_jobs"]} if self.reports_failed_requests else {}
         return self.s.KVConnectorOutput(
             finished_recving=done["recving"] or None,
-            kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=dict.fromkeys(done["jobs"], 1)),
+            kv_connector_worker_meta=OffloadingWorkerMetadata(
+                completed_jobs=dict.fromkeys(done["jobs"], 1), **failures
+            ),
             invalid_block_ids=done["invalid"],
+            **({"failed_recving": done["failed"]} if self.reports_failed_requests else {}),
         )
 
     @functools.cached_property
+    def reports_failed_requests(self) -> bool:
+        """Whether the release's offloading worker reports a failed load by its request: from
+        0.34.0 it marks the job failed (``OffloadingWorkerMetadata.failed_jobs``, so the
+        connector never looks that request up in its tier again) and names the request in
+        ``failed_recving`` as well as in ``finished_recving``; the scheduler then recomputes the
+        whole request (``_handle_failed_recving``: computed count 0, its blocks freed) or ends
+        it, by its policy, with any number of groups. Before, the worker asserted that every
+        transfer succeeded, and kvprop reports a failed load as the blocks it left invalid, as
+        connectors that report block-level failures do."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+
+        return "failed_jobs" in inspect.signature(OffloadingWorkerMetadata).parameters
+
+    @functools.cached_property
     def fails_loads(self) -> bool:
-        """Whether a failed load can be reported: vLLM's recovery for invalid blocks reads one
+        """Whether a failed load can be reported: by its request from 0.34.0, with any number of
+        groups (``reports_failed_requests``); before, vLLM's recovery for invalid blocks reads one
         block table per request (``(req_block_ids,) = kv_cache_manager.get_block_ids(req_id)``
         in ``Scheduler._update_requests_with_invalid_blocks``, marked TODO for hybrid models),
         so with several groups any failed load crashes its scheduler (README). The release's
         source is read as text to tell; nothing of it is run."""
-        if len(self.specs) == 1:
+        if len(self.specs) == 1 or self.reports_failed_requests:
             return True
         source = inspect.getsource(type(self.scheduler)._update_requests_with_invalid_blocks)
         return "(req_block_ids,) =" not in source
