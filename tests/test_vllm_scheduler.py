@@ -384,6 +384,14 @@ def outcome(trace):
     return failure and failure.kind
 
 
+def test_the_checks_read_the_junction_the_offloading_connector_raised():
+    """From 0.34.0 the connector's lookup raises a request's shared-prefix junction where a
+    sliding window cut its hit, and vLLM's manager retains by it. A 0.34.0 soak found this
+    trace with the junction kvprop had mirrored from the local lookup: index 0 of r4's window
+    expected kept, which the raised junction thins (``cached-block-lost-hash``, ours)."""
+    assert outcome(tr.load(Path(__file__).parent / "data" / "connector-raised-junction.json")) is None
+
+
 def test_the_cross_group_bug_reaches_vllms_offloading_connector_before_the_fix():
     assert outcome(CROSS_GROUP) == ("block-in-two-groups" if RELEASE < (0, 24) else None)
 

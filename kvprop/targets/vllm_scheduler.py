@@ -143,9 +143,13 @@ class SchedulerEngine(OffloadWorker, Engine):
             raise _HookFailed() from e
 
     def _mirror(self, vreq):
-        """kvprop's record of ``vreq``, its computed count brought up to vLLM's."""
+        """kvprop's record of ``vreq``, its computed count and its shared-prefix junction brought
+        up to vLLM's: from 0.34.0 the offloading connector's lookup may raise the junction the
+        local lookup reported, where a sparse group cut the connector's hit
+        (``_maybe_register_shared_prefix_junction``), and vLLM's manager retains by the raised one."""
         request = self.requests[vreq.request_id]
         request.num_computed_tokens = vreq.num_computed_tokens
+        request.shared_prefix_boundary = getattr(vreq, "shared_prefix_boundary", request.shared_prefix_boundary)
         return request
 
     def _after_hit(self, vreq, result) -> None:
