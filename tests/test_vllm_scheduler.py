@@ -400,6 +400,12 @@ def test_a_one_token_prompt_is_loaded_again_and_again():
     assert outcome(ONE_TOKEN_RELOAD) == "connector-handoff"
 
 
+def test_a_one_token_prompt_is_loaded_again_and_again_without_prefix_caching():
+    """The same loop with caching off, found by a 0.34.0 soak (minimised from 111 operations):
+    nothing is cached, so no block changes hands, and the request never finishes."""
+    assert outcome(tr.load(Path(__file__).parent / "data" / "one-token-reload-uncached.json")) == "liveness"
+
+
 @pytest.mark.skipif(RELEASE < (0, 33), reason="prefill checkpoints follow 0.33.0's rules from 0.33.0 only")
 def test_a_checkpoint_overwrites_the_running_state_in_0_33():
     assert outcome(checkpoint_find("over-running-state", "vllm-scheduler")) == "data-mismatch"
