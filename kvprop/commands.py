@@ -412,9 +412,10 @@ def cmd_variants(args) -> int:
 RELEASE_OPTIONS = ("no_junction", "block_hits", "no_checkpoints", "incremental_report", "reference_variant")
 
 
-def _take_release_rules(args) -> None:
+def _take_release_rules(args) -> str:
     """``--release-rules``: the options of the installed vLLM release (``release_rules``), in
-    place of the flags, which it refuses beside it rather than merge."""
+    place of the flags, which it refuses beside it rather than merge; returns the line that
+    names them."""
     from importlib.metadata import PackageNotFoundError, version
 
     from kvprop.targets.vllm import INSTALL_HINT
@@ -435,7 +436,7 @@ def _take_release_rules(args) -> None:
     rules = release_rules((int(numbers[1]), int(numbers[2])))
     for name in RELEASE_OPTIONS:
         setattr(args, name, rules.get(name, None if name == "reference_variant" else False))
-    _say(args, f"vLLM {installed}: {as_flags(rules) or 'no options'}")
+    return f"the rules of vLLM {installed}: {as_flags(rules) or 'no options'}"
 
 
 def _agree_flags(args) -> list[str]:
@@ -451,11 +452,12 @@ def cmd_agree(args) -> int:
 
     if args.target == "kvprop":
         raise ConfigError("agree compares kvprop's allocator with another target: give --target vllm or pkg.mod:f")
-    if args.release_rules:
-        _take_release_rules(args)
+    rules = _take_release_rules(args) if args.release_rules else None
     _check_allocator(args.reference_variant, None)  # an unknown name is refused before anything runs
     _check_allocator(None, args.target)
     _say(args, f"kvprop {__version__} agree: kvprop vs {args.target}, walks {args.seed}..{args.seed + args.walks - 1}")
+    if rules is not None:
+        _say(args, rules)
     seeds = range(args.seed, args.seed + args.walks)
     result = agree(
         args.target,
