@@ -458,6 +458,17 @@ def test_failed_loads_of_models_with_several_groups_reach_the_scheduler_from_0_3
     assert (failed_loads >= 5, kinds <= known_kinds()) == (True, True)
 
 
+def test_a_failed_load_left_among_the_block_holders_starves_a_finished_load_in_0_34():
+    """Found by a 0.34.0 soak (minimised from 108 operations to 10): r3's load fails, and the
+    scheduler frees its blocks (``_update_waiting_for_remote_kv``) but leaves it at the head of
+    the queue of requests that hold blocks (``kv_holding_waiting``), which is always drained
+    first and stops at the first request that cannot be allocated. r3 cannot be until r4, whose
+    load finished behind it, runs and gives its blocks back; r4 is never reached. Before 0.34.0
+    the offloading connector reported no failed load of a model with several groups."""
+    trace = tr.load(Path(__file__).parent / "data" / "failed-load-among-block-holders.json")
+    assert outcome(trace) == ("liveness" if RELEASE >= (0, 34) else None)
+
+
 def under_the_fail_policy(trace):
     return attrs.evolve(trace, config=attrs.evolve(trace.config, load_failure_policy="fail"))
 
