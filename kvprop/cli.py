@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument(
         "--release-rules",
         action="store_true",
-        help="take the four options above from the installed vLLM release (what it lacks of kvprop's "
+        help="take the five options above from the installed vLLM release (what it lacks of kvprop's "
         "model, and its known bugs: kvprop.targets.vllm_releases); the header names them",
     )
     ag.add_argument("--json", action="store_true", help="print one JSON object")

@@ -103,7 +103,8 @@ class OffloadWorker:
 
     def _connector_output(self):
         """What the worker reports: the jobs completed since the last output, the requests whose
-        loads finished, the blocks a failed load left invalid."""
+        loads finished, and the failed loads as the release's worker reports them: the blocks they
+        left invalid, or their requests and jobs (``reports_failed_requests``)."""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 
         done, self.done = self.done, self._nothing_done()
