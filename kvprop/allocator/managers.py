@@ -223,7 +223,9 @@ class FullAttentionManager(SingleTypeManager):
             and hits[-1].block_id in self.keyed_this_step
         ):
             return self.pool.num_blocks + 1  # its copy would read positions not yet written: not this step
-        return super().count_blocks_to_allocate(request_id, num_tokens, hits, total_computed_tokens, num_local)
+        return super().count_blocks_to_allocate(
+            request_id, num_tokens, hits, total_computed_tokens, num_local, prefill_end
+        )
 
     def find_longest_cache_hit(self, block_hashes: list[int], max_length: int) -> list[Block]:
         hits = []
