@@ -421,9 +421,9 @@ def _take_release_rules(args) -> str:
     from kvprop.targets.vllm import INSTALL_HINT
     from kvprop.targets.vllm_releases import as_flags, release_rules
 
-    given = [f"--{name.replace('_', '-')}" for name in RELEASE_OPTIONS if getattr(args, name)]
+    given = as_flags(_release_options(args))
     if given:
-        raise ConfigError(f"--release-rules sets {', '.join(given)} itself: give one or the other")
+        raise ConfigError(f"--release-rules sets {given} itself: give one or the other")
     if args.target not in ("vllm", "vllm-scheduler"):
         raise ConfigError(f"--release-rules applies to the vLLM targets (vllm, vllm-scheduler), not {args.target!r}")
     try:
@@ -439,12 +439,15 @@ def _take_release_rules(args) -> str:
     return f"the rules of vLLM {installed}: {as_flags(rules) or 'no options'}"
 
 
-def _agree_flags(args) -> list[str]:
+def _release_options(args) -> dict:
+    return {name: getattr(args, name) for name in RELEASE_OPTIONS}
+
+
+def _agree_flags(args) -> str:
     """The options this run compared with, as flags (the reproduce line repeats them)."""
-    if args.release_rules:
-        return ["--release-rules"]
-    flags = [f"--{name.replace('_', '-')}" for name in RELEASE_OPTIONS[:-1] if getattr(args, name)]
-    return flags + ([f"--reference-variant {args.reference_variant}"] if args.reference_variant else [])
+    from kvprop.targets.vllm_releases import as_flags
+
+    return "--release-rules" if args.release_rules else as_flags(_release_options(args))
 
 
 def cmd_agree(args) -> int:
@@ -480,11 +483,11 @@ def cmd_agree(args) -> int:
     elif d is None:
         print(f"agree: {result.walks} walks, {result.steps:,} steps ({result.refused} configurations refused)")
     else:
+        reproduce = f"kvprop agree --target {args.target} --seed {d.seed} --walks 1 {_agree_flags(args)}"
         print(
             f"DISAGREE at walk seed {d.seed}, operation {d.step} ({d.operation}), {d.what}:\n"
             f"  kvprop:  {d.reference}\n  {args.target}: {d.target}\n"
-            f"reproduce: kvprop agree --target {args.target} --seed {d.seed} --walks 1"
-            + "".join(f" {flag}" for flag in _agree_flags(args))
+            f"reproduce: {reproduce.rstrip()}"
         )
     return EXIT_CLEAN if d is None else EXIT_FOUND
 
