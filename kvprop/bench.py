@@ -350,11 +350,14 @@ def load_baseline(path: str) -> dict:
     (the same command on the previous code): the "before" column. Read as data, checked
     before anything is measured."""
     where = f"baseline {path!r}"
+    from pathlib import Path
+
+    from kvprop.search.trace import TraceError, read_regular
+
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as e:
-        raise ConfigError(f"{where}: cannot read it ({e.strerror})") from None
+        data = json.loads(read_regular(Path(path), 16 << 20, "baseline").decode("utf-8"))
+    except TraceError as e:
+        raise ConfigError(str(e)) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ConfigError(f"{where}: not JSON ({e})") from None
     rows = data.get("targets") if isinstance(data, dict) else None

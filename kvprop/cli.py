@@ -157,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     e = command("emit-test", c.cmd_emit_test, "write the standalone pytest regression test for a trace")
     e.add_argument("file")
     e.add_argument("--out", default=None, help="test file to write (default: test_<name>.py beside FILE)")
+    e.add_argument(
+        "--target",
+        default=None,
+        help="the target the test replays on (default: the trace's, if it is one of kvprop's own)",
+    )
 
     b = command("bugs", c.cmd_bugs, "fuzz every bug variant from scratch and tabulate (exit 0: all found)")
     b.add_argument("--seconds-per-bug", type=seconds, default=30.0, help="budget per variant")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -276,19 +277,35 @@ def _canary(args) -> bool:
 # ---- the other commands --------------------------------------------------------------------
 
 
-def _load(args):
+def _trusted_target(trace, args, command: str):
+    """The target to run a trace on. A trace is data and never chooses code: the target it names
+    runs only if it is one of kvprop's own or ``--target`` names the same one."""
+    from kvprop.targets import is_builtin
+
+    if args.target is not None:
+        return args.target
+    if trace.target is None or is_builtin(trace.target):
+        return trace.target
+    raise ConfigError(
+        f"{args.file} names target {trace.target!r}, code outside kvprop; a trace never chooses code to run. "
+        f"To run it, name it yourself: kvprop {command} {shlex.quote(str(args.file))} "
+        f"--target {shlex.quote(trace.target)}"
+    )
+
+
+def _load(args, command: str):
     from kvprop.search import trace as tr
 
     trace = tr.load(args.file)
     variant = args.variant if args.variant is not None else trace.variant
-    target = args.target if args.target is not None else trace.target
+    target = _trusted_target(trace, args, command)
     _check_device(args.device)
     _check_allocator(variant, target)
     return trace, variant, target
 
 
 def cmd_replay(args) -> int:
-    trace, variant, target = _load(args)
+    trace, variant, target = _load(args, "replay")
     print(
         f"replaying {args.file} ({len(trace.steps)} operations) on variant {variant or 'correct'}, "
         f"target {target or 'kvprop'}"
@@ -308,7 +325,7 @@ def cmd_minimise(args) -> int:
 
     from kvprop.search import trace as tr
 
-    trace, variant, target = _load(args)
+    trace, variant, target = _load(args, "minimise")
     out = Path(args.out or args.file)
     if out.parent and not out.parent.exists():
         out.parent.mkdir(parents=True)
@@ -327,10 +344,15 @@ def cmd_minimise(args) -> int:
 
 
 def cmd_emit_test(args) -> int:
+    import attrs
+
     from kvprop.repro import regress
     from kvprop.search import trace as tr
 
     trace = tr.load(args.file)
+    target = _trusted_target(trace, args, "emit-test")
+    if target != trace.target:
+        trace = attrs.evolve(trace, target=target)
     source = regress.render(trace, source=Path(args.file).name)
     out = Path(args.out) if args.out else Path(args.file).with_name(f"test_{regress.test_name(trace)}.py")
     out.parent.mkdir(parents=True, exist_ok=True)

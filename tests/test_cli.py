@@ -235,7 +235,7 @@ def test_bench_vllm_without_vllm_exits_2_and_says_how_to_get_it():
 @pytest.mark.parametrize(
     ("content", "says"),
     [
-        (None, "cannot read it"),
+        (None, "cannot read baseline"),
         ("{not json", "not JSON"),
         ('{"targets": [{"value": 1}]}', 'each with a "measure" string and a "value"'),
         ("[1, 2]", 'an object whose "targets" is a list of rows'),

@@ -22,13 +22,17 @@ FORMAT = "kvprop-trace/1"
 MAX_FILE_BYTES = 16 << 20
 MAX_STEPS = 100_000
 MAX_TEXT = 100_000
+MAX_DIGITS = 20  # an integer in a trace fits in 64 bits; longer ones are refused before conversion
+MAX_DEPTH = 6  # trace -> config -> groups -> [i] -> field: nothing a trace holds nests deeper
 
 
 class TraceError(KvpropError):
     """A trace file is malformed or incompatible; the message says what and where."""
 
 
-ORIGINS = ("violation", "target-crash")
+ORIGINS = ("violation", "target-crash", "target-hang")
+# The kinds a find can carry: the invariants' kinds, and the target's own failures.
+TARGET_KINDS = ("target-crash", "target-hang")
 
 
 @attrs.frozen
@@ -264,13 +268,22 @@ def _failure(d, num_steps: int) -> Failure | None:
     origin = _typed(d.get("origin", "violation"), "failure.origin", str)
     if origin not in ORIGINS:
         raise TraceError(f"failure.origin: expected one of {list(ORIGINS)}, got {_show(origin)}")
+    kind = _require(d, "kind", "failure", str)
+    if kind not in known_kinds():
+        raise TraceError(f"failure.kind: {_show(kind)} is not a kind kvprop reports (see docs/design.md)")
     return Failure(
         step,
-        _require(d, "kind", "failure", str),
+        kind,
         _require(d, "message", "failure", str),
         origin,
         _typed(d.get("exception"), "failure.exception", (str, type(None))),
     )
+
+
+def known_kinds() -> frozenset:
+    from kvprop.check.kinds import KINDS
+
+    return frozenset(KINDS) | frozenset(TARGET_KINDS)
 
 
 def from_dict(d) -> Trace:
@@ -309,20 +322,63 @@ def load(path) -> Trace:
     """Read and validate a trace file: UTF-8 JSON of at most MAX_FILE_BYTES, data only."""
     path = Path(path)
     try:
-        if path.stat().st_size > MAX_FILE_BYTES:
-            raise TraceError(f"{path}: {path.stat().st_size:,} bytes; a trace file is at most {MAX_FILE_BYTES:,}")
-        text = path.read_bytes().decode("utf-8")
-    except OSError as e:
-        raise TraceError(f"cannot read trace {str(path)!r}: {e.strerror}") from e
+        text = read_regular(path, MAX_FILE_BYTES, "trace").decode("utf-8")
     except UnicodeDecodeError as e:
         raise TraceError(f"{path}: not UTF-8 text (byte {e.start}); a trace is a JSON file") from e
     try:
-        data = json.loads(text)
-    except RecursionError as e:
-        raise TraceError(f"{path}: JSON nested too deeply") from e
-    except json.JSONDecodeError as e:
-        raise TraceError(f"{path}: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from e
+        data = parse_json(text)
+        _check_depth(data)
+    except ValueError as e:
+        raise TraceError(f"{path}: {e}") from e
     try:
         return from_dict(data)
     except TraceError as e:
         raise TraceError(f"{path}: {e}") from e
+
+
+def read_regular(path: Path, limit: int, what: str) -> bytes:
+    """The bytes of a regular file of at most ``limit`` bytes. A FIFO, device or socket is
+    refused without being opened (opening a FIFO blocks; a device can be endless)."""
+    import stat
+
+    try:
+        mode = path.stat()
+        if not stat.S_ISREG(mode.st_mode):
+            raise TraceError(f"{str(path)!r} is not a regular file; a {what} is a JSON file")
+        if mode.st_size > limit:
+            raise TraceError(f"{path}: {mode.st_size:,} bytes; a {what} file is at most {limit:,}")
+        with open(path, "rb") as f:
+            return f.read(limit + 1)
+    except OSError as e:
+        raise TraceError(f"cannot read {what} {str(path)!r}: {e.strerror}") from e
+
+
+def _bounded_int(text: str) -> int:
+    digits = text.lstrip("-")
+    if len(digits) > MAX_DIGITS:
+        raise ValueError(f"an integer of {len(digits):,} digits (at most {MAX_DIGITS})")
+    return int(text)
+
+
+def _no_float(text: str):
+    raise ValueError(f"a number {text[:20]!r} that is not an integer (a trace holds integers only)")
+
+
+def parse_json(text: str):
+    """JSON data with integers of at most MAX_DIGITS digits and no floats, NaN or Infinity; a
+    ValueError says what was wrong."""
+    try:
+        return json.loads(text, parse_int=_bounded_int, parse_float=_no_float, parse_constant=_no_float)
+    except RecursionError:
+        raise ValueError(f"JSON nested too deeply (at most {MAX_DEPTH} levels)") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+
+
+def _check_depth(data) -> None:
+    level = [data]
+    for _ in range(MAX_DEPTH + 1):
+        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x if isinstance(x, list) else ())]
+        if not level:
+            return
+    raise ValueError(f"JSON nested deeper than {MAX_DEPTH} levels; a trace is not")

@@ -28,6 +28,11 @@ BUILTIN = {
 NAMES = "'kvprop', 'vllm', 'vllm-scheduler' or 'package.module:factory'"
 
 
+def is_builtin(name: str | None) -> bool:
+    """kvprop's own targets: a trace may name these; any other code runs only when a person names it."""
+    return name in (None, "kvprop", *BUILTIN)
+
+
 FACADE_CALLS = ("get_computed_blocks", "allocate_slots", "free", "cache_blocks", "reset_prefix_cache", "get_block_ids")
 VIEW_CALLS = (
     "ref_cnt",

@@ -1,0 +1,106 @@
+"""A trace is data: it never chooses code to run, and its numbers, nesting and file type are
+bounded before anything is built from it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACE = ROOT / "tests" / "data" / "one-token-reload-uncached.json"
+
+WRITER = '''
+from pathlib import Path
+
+Path("written-by-target").write_text("ran")
+
+
+def make_target(config):
+    from kvprop.allocator.view import AllocatorView
+    from kvprop.targets.kvprop import make_allocator
+
+    allocator = make_allocator(config)
+    return allocator, AllocatorView(allocator)
+'''
+
+
+def kvprop(*args, cwd):
+    return subprocess.run(
+        [sys.executable, "-m", "kvprop", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{cwd}"},
+        timeout=300,
+    )
+
+
+def write_trace(tmp_path: Path, **changes) -> Path:
+    data = json.loads(TRACE.read_text())
+    data.update(changes)
+    path = tmp_path / "trace with space.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.fixture
+def writer_trace(tmp_path):
+    (tmp_path / "writer_target.py").write_text(WRITER)
+    return write_trace(tmp_path, target="writer_target:make_target")
+
+
+@pytest.mark.parametrize("command", ["replay", "minimise", "emit-test"])
+def test_a_trace_naming_outside_code_runs_nothing(tmp_path, writer_trace, command):
+    r = kvprop(command, str(writer_trace), cwd=tmp_path)
+    assert (r.returncode, (tmp_path / "written-by-target").exists(), "Traceback" in r.stderr) == (2, False, False)
+
+
+def test_the_refusal_names_the_target_and_the_command_that_allows_it(tmp_path, writer_trace):
+    r = kvprop("replay", str(writer_trace), cwd=tmp_path)
+    allow = f"kvprop replay '{writer_trace}' --target writer_target:make_target"
+    assert ("names target 'writer_target:make_target'" in r.stderr, allow in r.stderr) == (True, True), r.stderr
+
+
+def test_a_trace_runs_outside_code_that_the_command_line_names(tmp_path, writer_trace):
+    r = kvprop("replay", str(writer_trace), "--target", "writer_target:make_target", cwd=tmp_path)
+    assert (r.returncode, (tmp_path / "written-by-target").exists()) == (0, True), r.stdout + r.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ('{"format": "kvprop-trace/1", "seed": ' + "9" * 5000 + "}", "an integer of 5,000 digits (at most 20)"),
+        ('{"format": "kvprop-trace/1", "seed": 1.5}', "not an integer"),
+        ('{"format": "kvprop-trace/1", "seed": NaN}', "not an integer"),
+        ("[" * 50 + "]" * 50, "nested deeper than 6 levels"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ],
+    ids=["huge-integer", "float", "nan", "deep", "very-deep"],
+)
+def test_a_trace_beyond_the_bounds_exits_2(tmp_path, text, says):
+    path = tmp_path / "t.json"
+    path.write_text(text)
+    r = kvprop("replay", str(path), cwd=tmp_path)
+    assert (r.returncode, says in r.stderr, "Traceback" in r.stderr) == (2, True, False), r.stderr
+
+
+def test_a_failure_kind_outside_the_registry_exits_2(tmp_path):
+    data = json.loads(TRACE.read_text())
+    data["failure"]["kind"] = "made-up-kind"
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(data))
+    r = kvprop("replay", str(path), cwd=tmp_path)
+    assert (r.returncode, "failure.kind: 'made-up-kind' is not a kind kvprop reports" in r.stderr) == (2, True)
+
+
+@pytest.mark.parametrize("command", [("replay",), ("bench", "targets", "--baseline")])
+def test_a_fifo_is_refused_without_being_opened(tmp_path, command):
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    r = kvprop(*command, str(fifo), cwd=tmp_path)  # opening it would block: the timeout would fail the test
+    assert (r.returncode, "is not a regular file" in r.stderr) == (2, True), r.stderr
