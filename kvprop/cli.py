@@ -16,7 +16,7 @@ import traceback
 
 from kvprop import __version__, interrupt
 from kvprop.errors import KvpropError
-from kvprop.search import DRIVERS  # imports nothing else: the CLI measures what it runs
+from kvprop.search import CALL_TIMEOUT, DRIVERS  # imports nothing else: the CLI measures what it runs
 
 EXIT_CLEAN, EXIT_FOUND, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 MAX_OPS = 10_000
@@ -58,15 +58,40 @@ def workers(text: str) -> int:
 
 
 def kinds(text: str) -> frozenset:
-    """Comma-separated violation kinds (``kvprop.check.kinds``) or ``target-crash``."""
+    """Comma-separated violation kinds (``kvprop.check.kinds``), ``target-crash`` or ``target-hang``."""
     from kvprop.check.kinds import KINDS
 
-    allowed = sorted(KINDS) + ["target-crash"]
+    allowed = sorted(KINDS) + ["target-crash", "target-hang"]
     names = [name.strip() for name in text.split(",")]
     unknown = [name for name in names if name not in allowed]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown kind(s) {unknown}; allowed: {', '.join(allowed)}")
     return frozenset(names)
+
+
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+def redis_url(text: str) -> str:
+    """``redis://host:port/db`` (or ``rediss://``, ``unix:///path``): scheme, host and port checked."""
+    from urllib.parse import urlsplit
+
+    allowed = "redis://HOST[:PORT][/DB], rediss://... or unix:///PATH"
+    try:
+        url = urlsplit(text)
+        port = url.port
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a URL ({e}); expected {allowed}") from None
+    if url.scheme not in REDIS_SCHEMES:
+        raise argparse.ArgumentTypeError(f"scheme {url.scheme!r} of {text!r} is not one of {REDIS_SCHEMES}")
+    if url.scheme == "unix":
+        if not url.path:
+            raise argparse.ArgumentTypeError(f"{text!r} names no socket path; expected {allowed}")
+    elif not url.hostname:
+        raise argparse.ArgumentTypeError(f"{text!r} names no host; expected {allowed}")
+    elif port is not None and not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} of {text!r} is not in [1, 65535]")
+    return text
 
 
 def seconds(text: str) -> float:
@@ -111,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
             "or package.module:factory" + more,
         )
         sp.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present, else cpu)")
+        sp.add_argument(
+            "--call-timeout",
+            type=seconds,
+            default=CALL_TIMEOUT,
+            help="seconds the target may take without progress (importing, building, one operation) "
+            "before it is a target-hang find",
+        )
 
     f = command("fuzz", c.cmd_fuzz, "search for a violation until the budget ends (exit 1 found, 0 clean)")
     f.add_argument("--seconds", type=seconds, default=60.0, help="time budget, counted from the command's start")
@@ -133,7 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--canary", action="store_true", help="first prove the checks find a fault switched on in the target"
     )
     f.add_argument("--canary-seconds", type=seconds, default=30.0, help="budget of the canary search")
-    f.add_argument("--redis", default=None, metavar="URL", help="share finds with other machines through Redis")
+    f.add_argument(
+        "--redis", type=redis_url, default=None, metavar="URL", help="share finds with other machines through Redis"
+    )
     f.add_argument("--fresh", action="store_true", help="hypothesis driver: ignore the example database (.hypothesis/)")
     f.add_argument("--json", action="store_true", help="print one JSON summary on stdout (progress goes to stderr)")
     f.add_argument(

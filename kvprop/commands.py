@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -27,23 +28,41 @@ def _say(args, text: str = "") -> None:
     print(text, file=sys.stderr if getattr(args, "json", False) else sys.stdout, flush=True)
 
 
-def _print_steps(trace, variant, target, device, out=print):
-    from kvprop.search.execute import execute
-
-    def show(i, op, outcome):
-        out(f"  {i:3d}: {op!r}\n       -> {outcome}")
-
+def _print_steps(trace, supervisor, out=print, log_to: Path | None = None):
+    """Replay ``trace`` in ``supervisor``'s worker, printing each step; the failure, if any.
+    If the target's process died, what it printed is kept at ``log_to``."""
     out(f"config: {trace.config!r}")
-    failure = execute(trace, variant=variant, target=target, device=device, on_step=show)
+    executed = supervisor.execute(trace, lines=True)
+    for i, op, outcome in executed.lines:
+        out(f"  {i:3d}: {op}\n       -> {outcome}")
+    failure = executed.failure
     if failure is not None:
         where = (
             "the final drain"
             if failure.step >= len(trace.steps)
             else f"step {failure.step}: {trace.steps[failure.step]!r}"
         )
-        origin = "the target crashed" if failure.origin == "target-crash" else "an invariant failed"
-        out(f"  FAILED at {where} ({origin})\n  {failure.message}")
+        out(f"  FAILED at {where} ({ORIGINS[failure.origin]})\n  {failure.message}")
+        if executed.log is not None and log_to is not None:
+            try:
+                shutil.copyfile(executed.log, log_to)
+                out(f"  the target's output: {log_to}")
+            except OSError as e:
+                out(f"  the target's output could not be kept at {log_to}: {e.strerror}")
     return failure
+
+
+ORIGINS = {
+    "violation": "an invariant failed",
+    "target-crash": "the target crashed",
+    "target-hang": "the target hung",
+}
+
+
+def _supervisor(args, variant, target):
+    from kvprop.search.supervisor import Supervisor
+
+    return Supervisor(target, variant, args.device, args.call_timeout)
 
 
 def _check_device(device) -> None:
@@ -54,19 +73,20 @@ def _check_device(device) -> None:
 
 
 def _check_allocator(variant, target) -> None:
-    """The variant exists, and applies to the kvprop target only; a path target loads."""
-    from kvprop.targets import load_factory
+    """The variant exists, and applies to the kvprop target only; the target is named as one is.
+    Nothing is imported: the target is loaded only in a supervised worker."""
+    from kvprop.targets import check_name
     from kvprop.targets.variants import get_variant
 
     get_variant(variant)
-    if target not in (None, "kvprop"):
-        if variant not in (None, "correct"):
-            raise ConfigError(f"--variant {variant!r} applies to the kvprop target only, not to --target {target!r}")
-        load_factory(target)
+    check_name(target)
+    if target not in (None, "kvprop") and variant not in (None, "correct"):
+        raise ConfigError(f"--variant {variant!r} applies to the kvprop target only, not to --target {target!r}")
 
 
-def _minimise(args, found, variant, target):
-    """Minimise with a progress line; Ctrl-C keeps the best so far. Returns (trace, interrupted)."""
+def _minimise(args, found, supervisor):
+    """Minimise with a progress line, each candidate in ``supervisor``'s worker; Ctrl-C keeps
+    the best so far. Returns (trace, interrupted)."""
     from kvprop.repro.minimise import minimiser_for
 
     last = [time.monotonic()]
@@ -78,7 +98,14 @@ def _minimise(args, found, variant, target):
 
     minimiser = None
     try:
-        minimiser = minimiser_for(found, variant=variant, target=target, device=args.device, progress=progress)
+        minimiser = minimiser_for(
+            found,
+            variant=supervisor.variant,
+            target=supervisor.target,
+            device=args.device,
+            progress=progress,
+            executor=lambda trace: supervisor.execute(trace).failure,
+        )
         return minimiser.run(), False
     except KeyboardInterrupt:
         return (minimiser.best if minimiser is not None else found), True
@@ -98,7 +125,10 @@ def cmd_fuzz(args) -> int:
     if args.known and args.driver != "walk":
         raise ConfigError(f"--known keeps searching past a find, which only the walk driver does, not {args.driver!r}")
     out = counterexample.check_out(Path(args.out))
-    fuzz.probe(args.target, args.variant, args.device)
+    with _supervisor(args, args.variant, args.target) as supervisor:
+        dead = supervisor.probe()
+    if dead is not None:  # the target died or hung while being built: a find before any search
+        return _report_find(args, fuzz.FuzzResult(dead, 0, 0, 0.0, frozenset(), 0.0), out, _summary(args, None))
     if args.canary and not _canary(args):
         return EXIT_USAGE
     opts = fuzz.FuzzOptions(
@@ -114,6 +144,7 @@ def cmd_fuzz(args) -> int:
         redis=args.redis,
         fresh=args.fresh,
         known=args.known,
+        call_timeout=args.call_timeout,
     )
     label = f"variant {args.variant}" if args.variant else f"target {args.target or 'kvprop'}"
     _say(
@@ -123,11 +154,17 @@ def cmd_fuzz(args) -> int:
     )
     saved = {}
 
-    def on_find(trace):
+    def on_find(trace, log=None):
         name = counterexample.name_for(trace)
         saved[name] = counterexample.write_found(trace, out, name)
         known = " (a known kind: the search goes on)" if trace.failure.kind in args.known else ""
         _say(args, f"found {trace.failure.kind} (seed {trace.seed}); saved {saved[name]}{known}")
+        if log is not None:
+            logs[trace] = counterexample.keep_log(Path(log), out, name)
+            _say(args, f"  the target's output in that run: {logs[trace]}")
+
+    logs: dict = {}
+    args.logs = logs
 
     try:
         result = fuzz.search(opts, status=lambda line: _say(args, line), on_find=on_find, started=args.started)
@@ -149,8 +186,10 @@ def cmd_fuzz(args) -> int:
 
 
 def _summary(args, result) -> dict:
+    from kvprop.search.fuzz import FuzzResult
     from kvprop.sim.engine import EVENTS
 
+    result = result or FuzzResult(None, 0, 0, 0.0, frozenset())
     return {
         "runs": result.runs,
         "steps": result.steps,
@@ -216,9 +255,17 @@ def _report_find(args, result, out, summary) -> int:
     found = result.found
     name = counterexample.name_for(found)
     best, interrupted = found, False
-    if not result.shared:
-        _say(args, f"\nminimising {len(found.steps)} operations (Ctrl-C keeps the smallest so far) ...")
-        best, interrupted = _minimise(args, found, args.variant, args.target)
+    with _supervisor(args, args.variant, args.target) as supervisor:
+        if not result.shared:
+            _say(args, f"\nminimising {len(found.steps)} operations (Ctrl-C keeps the smallest so far) ...")
+            best, interrupted = _minimise(args, found, supervisor)
+        return _write_find(args, result, out, summary, name, best, interrupted, supervisor)
+
+
+def _write_find(args, result, out, summary, name, best, interrupted, supervisor) -> int:
+    from kvprop.repro import counterexample
+
+    found = result.found
     if result.shared:
         _say(args, f"\nFOUND {best.failure.kind} by another machine (shared store); {len(best.steps)} operations:")
     else:
@@ -228,9 +275,9 @@ def _report_find(args, result, out, summary) -> int:
             f"\nFOUND {best.failure.kind} after {result.seconds_to_find:.1f}s ({args.driver} seed "
             f"{found.seed}); {len(found.steps)} operations {verdict} {len(best.steps)}:",
         )
-    _print_steps(best, args.variant, args.target, args.device, out=lambda s: _say(args, s))
-    trace_path, test_path = counterexample.write(best, out, name)
-    _say(args, f"\nwrote {trace_path}\nwrote {test_path}\nreplay: kvprop replay {trace_path}")
+    trace_path, test_path = counterexample.write(best, out, name)  # on disk before it runs again
+    _print_steps(best, supervisor, out=lambda s: _say(args, s))
+    _say(args, f"\nwrote {trace_path}\nwrote {test_path}\nreplay: {_replay_line(trace_path, best)}")
     if not result.deterministic:
         _say(args, "note: with several hypothesis workers, which find is reported depends on timing")
     summary["find"] = {
@@ -242,9 +289,19 @@ def _report_find(args, result, out, summary) -> int:
         "operations_minimised": len(best.steps),
         "trace": str(trace_path),
         "test": str(test_path),
+        "log": str(getattr(args, "logs", {}).get(found)) if getattr(args, "logs", {}).get(found) else None,
     }
     _emit_json(args, summary, verdict="found")
     return EXIT_FOUND
+
+
+def _replay_line(path, trace) -> str:
+    """The command that replays ``path``, shell-quoted; a target outside kvprop is named, since
+    a trace never chooses code itself."""
+    from kvprop.targets import is_builtin
+
+    target = "" if is_builtin(trace.target) else f" --target {shlex.quote(trace.target)}"
+    return f"kvprop replay {shlex.quote(str(path))}{target}"
 
 
 def _canary(args) -> bool:
@@ -261,6 +318,7 @@ def _canary(args) -> bool:
         target=args.target,
         device=args.device,
         canary=True,
+        call_timeout=args.call_timeout,
     )
     result = fuzz.search(opts)
     if result.found is None:
@@ -310,7 +368,8 @@ def cmd_replay(args) -> int:
         f"replaying {args.file} ({len(trace.steps)} operations) on variant {variant or 'correct'}, "
         f"target {target or 'kvprop'}"
     )
-    failure = _print_steps(trace, variant, target, args.device)
+    with _supervisor(args, variant, target) as supervisor:
+        failure = _print_steps(trace, supervisor, log_to=Path(args.file).with_suffix(".replay.log"))
     if failure is None:
         print("PASSED: the trace no longer fails")
         return EXIT_CLEAN
@@ -330,16 +389,17 @@ def cmd_minimise(args) -> int:
     if out.parent and not out.parent.exists():
         out.parent.mkdir(parents=True)
     print(f"minimising {args.file} ({len(trace.steps)} operations; Ctrl-C keeps the smallest so far) ...", flush=True)
-    try:
-        best, interrupted = _minimise(args, trace, variant, target)
-    except ValueError as e:
-        print(f"cannot minimise: {e}")
-        return EXIT_CLEAN
-    best = attrs.evolve(best, variant=variant, target=target)
-    tr.save(best, out)
-    stopped = " (interrupted: the smallest so far)" if interrupted else ""
-    print(f"{len(trace.steps)} operations -> {len(best.steps)}{stopped}; wrote {out}")
-    _print_steps(best, variant, target, args.device)
+    with _supervisor(args, variant, target) as supervisor:
+        try:
+            best, interrupted = _minimise(args, trace, supervisor)
+        except ValueError as e:
+            print(f"cannot minimise: {e}")
+            return EXIT_CLEAN
+        best = attrs.evolve(best, variant=variant, target=target)
+        tr.save(best, out)
+        stopped = " (interrupted: the smallest so far)" if interrupted else ""
+        print(f"{len(trace.steps)} operations -> {len(best.steps)}{stopped}; wrote {out}")
+        _print_steps(best, supervisor)
     return EXIT_FOUND
 
 

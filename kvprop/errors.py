@@ -11,6 +11,11 @@ class ConfigError(KvpropError, ValueError):
     """A configuration value is out of range; the message names the field and the range."""
 
 
+class TargetError(KvpropError):
+    """The target cannot be used at all: importing it or its factory raised. The target's
+    error, not kvprop's and not a find; the message names the target and the exception."""
+
+
 class LimitError(KvpropError):
     """An input asks for more than any real run produces (a hand-made or hostile trace)."""
 

@@ -126,7 +126,7 @@ def _fail(message: str) -> NoReturn:
 
 
 def run(item: KvpropItem) -> None:
-    from kvprop.errors import ConfigError
+    from kvprop.errors import ConfigError, TargetError
 
     config = item.config
     target = config.getoption("kvprop_target")
@@ -135,7 +135,7 @@ def run(item: KvpropItem) -> None:
         machine_settings, profile = _settings(config)
         _check_target(target, variant)
         _probe(target, variant)
-    except ConfigError as e:
+    except (ConfigError, TargetError) as e:
         _fail(str(e))
     _search(item, target, variant, machine_settings, profile)
 
@@ -178,7 +178,7 @@ def _probe(target: str, variant: str | None) -> None:
     one fails here with its own reason, not with Hypothesis's ``Unsatisfiable``."""
     import random
 
-    from kvprop.errors import ConfigError, TargetCrash
+    from kvprop.errors import ConfigError, TargetError
     from kvprop.search.alphabet import RandomChooser, sample_config
     from kvprop.targets import build_engine
 
@@ -190,9 +190,8 @@ def _probe(target: str, variant: str | None) -> None:
         except ConfigError as e:
             first_refusal = first_refusal or str(e)
             continue
-        except Exception as e:  # noqa: BLE001 - the factory's own code failed: the user's to see, in one line
-            crash = TargetCrash("factory", e)
-            _fail(f"target {target!r} could not build an engine: {crash}\n  configuration: {config}")
+        except TargetError as e:  # the factory's own code failed: the user's to see, in one line
+            _fail(f"could not build an engine: {e}\n  configuration: {config}")
         return
     raise ConfigError(
         f"target {target!r} could not build any of {PROBE_SEEDS} sampled configurations; first refusal: {first_refusal}"

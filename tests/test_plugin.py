@@ -134,7 +134,7 @@ def test_buggy_target_fails_with_the_violation_and_a_replayable_trace(project):
             ("--kvprop-examples", "5"),
             "target 'my_targets:build_one_shape' could build none of the configurations Hypothesis drew",
         ),
-        ("my_targets:crash", (), "could not build an engine: target-crash: KeyError raised by the target's factory()"),
+        ("my_targets:crash", (), "could not build an engine: target 'my_targets:crash': its factory raised KeyError"),
         (CORRECT, ("--kvprop-variant", "evict-keeps-hash"), "applies to --kvprop-target kvprop only"),
     ],
     ids=["unimportable", "refuses-all", "unsatisfiable", "factory-crashes", "variant-on-a-path-target"],

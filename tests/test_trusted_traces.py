@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = ROOT / "tests" / "data" / "one-token-reload-uncached.json"
 
-WRITER = '''
+WRITER = """
 from pathlib import Path
 
 Path("written-by-target").write_text("ran")
@@ -26,7 +26,7 @@ def make_target(config):
 
     allocator = make_allocator(config)
     return allocator, AllocatorView(allocator)
-'''
+"""
 
 
 def kvprop(*args, cwd):

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -61,6 +62,20 @@ def _write_new(path: Path, text: str) -> Path:
 def write_found(trace: Trace, out: Path, name: str) -> Path:
     """The trace exactly as the search found it (before minimising)."""
     return _write_new(Path(out) / f"{name}.found.json", json.dumps(tr.to_dict(trace), indent=1) + "\n")
+
+
+def keep_log(log: Path, out: Path, name: str) -> Path:
+    """The target's output in a find's run, moved beside the find as ``<name>.log`` (a numbered
+    name if that one is taken); where it was, if it cannot be moved."""
+    target, n = Path(out) / f"{name}.log", 1
+    while target.exists():
+        n += 1
+        target = Path(out) / f"{name}_{n}.log"
+    try:
+        shutil.move(str(log), target)
+    except OSError:
+        return log
+    return target
 
 
 def write(trace: Trace, out: Path, name: str | None = None) -> tuple[Path, Path]:

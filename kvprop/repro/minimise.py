@@ -11,7 +11,7 @@ import attrs
 
 from kvprop import interrupt
 from kvprop.allocator.specs import FullAttention
-from kvprop.errors import ConfigError
+from kvprop.errors import ConfigError, TargetError
 from kvprop.search.alphabet import PROMPT_PRODUCERS, AddLargeRequest, AddRequest
 from kvprop.search.execute import execute
 from kvprop.search.trace import Failure, Trace
@@ -23,7 +23,15 @@ class Minimiser:
     ``progress(best, replays)`` is called whenever a smaller failing trace is kept."""
 
     def __init__(
-        self, trace: Trace, signature, variant=None, target=None, device=None, max_replays: int = 20_000, progress=None
+        self,
+        trace: Trace,
+        signature,
+        variant=None,
+        target=None,
+        device=None,
+        max_replays: int = 20_000,
+        progress=None,
+        executor=None,
     ):
         self.best = trace
         self.signature = signature
@@ -31,6 +39,12 @@ class Minimiser:
         self.replays = 0
         self.max_replays = max_replays
         self.progress = progress
+        # executor(trace) -> Failure | None; kvprop's commands pass a supervised worker's
+        # (kvprop.search.supervisor), so that a candidate that kills the target is judged, not fatal
+        self.executor = executor or self._in_process
+
+    def _in_process(self, candidate: Trace) -> Failure | None:
+        return execute(candidate, variant=self.variant, target=self.target, device=self.device)
 
     def fails(self, candidate: Trace) -> Failure | None:
         """The candidate's failure if it fails the same way (same kind, same exception), else None."""
@@ -39,8 +53,8 @@ class Minimiser:
         interrupt.check()
         self.replays += 1
         try:
-            failure = execute(candidate, variant=self.variant, target=self.target, device=self.device)
-        except ConfigError:
+            failure = self.executor(candidate)
+        except (ConfigError, TargetError):  # a candidate configuration the target refuses
             return None
         return failure if failure is not None and failure.signature == self.signature else None
 
@@ -255,12 +269,14 @@ def _simpler_configs(config):
                 yield _with_allocator(config, groups=new)
 
 
-def minimiser_for(trace: Trace, variant=None, target=None, device=None, progress=None) -> Minimiser:
+def minimiser_for(trace: Trace, variant=None, target=None, device=None, progress=None, executor=None) -> Minimiser:
     """A minimiser for ``trace``, which must fail (ValueError otherwise)."""
-    first = execute(trace, variant=variant, target=target, device=device)
+    minimiser = Minimiser(trace, None, variant, target, device, progress=progress, executor=executor)
+    first = minimiser.executor(trace)
     if first is None:
         raise ValueError("the trace passes; nothing to minimise")
-    return Minimiser(trace, first.signature, variant, target, device, progress=progress)
+    minimiser.signature = first.signature
+    return minimiser
 
 
 def minimise(trace: Trace, variant=None, target=None, device=None, progress=None) -> Trace:

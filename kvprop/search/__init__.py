@@ -8,3 +8,4 @@ import every layer below it: allocator, sim, check, targets.
 """
 
 DRIVERS = ("walk", "hypothesis")  # here, importing nothing, so the CLI can name them cheaply
+CALL_TIMEOUT = 60.0  # seconds a target may go without progress (importing vLLM on a loaded 2-core machine: a fraction)

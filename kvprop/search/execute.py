@@ -22,11 +22,15 @@ def execute(
     events: set | None = None,
     canary: bool = False,
     full_sweeps: bool = False,
+    journal=None,
 ) -> Failure | None:
     """Replay ``trace`` step by step without Hypothesis; the first exception is the failure.
 
     ``events``, when given, collects the names of the engine events the replay reached;
-    ``full_sweeps`` makes every check a full sweep instead of an incremental one."""
+    ``full_sweeps`` makes every check a full sweep instead of an incremental one; ``journal``
+    (in a supervised worker) records the run as it goes."""
+    if journal is not None:
+        journal.begin(trace)
     harness = Harness(
         trace.config,
         variant=variant,
@@ -35,6 +39,7 @@ def execute(
         checks=checks,
         canary=canary,
         full_sweeps=full_sweeps,
+        journal=journal,
     )
     try:
         return run(harness, trace.steps, trace.drain, on_step)

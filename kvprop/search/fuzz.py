@@ -12,21 +12,25 @@ index up to it, so the reported find is the one with the lowest (index, worker).
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing as mp
 import os
 import queue as queue_mod
-import signal
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 from collections import Counter
+from pathlib import Path
 
 import attrs
 
 from kvprop import interrupt
+from kvprop.errors import TargetError
+from kvprop.search import CALL_TIMEOUT
+from kvprop.search import journal as jn
+from kvprop.search import supervisor as sv
 from kvprop.search import trace as tr
-from kvprop.search.execute import execute
 from kvprop.search.trace import Trace
 from kvprop.sim.engine import EVENTS
 
@@ -51,6 +55,7 @@ class FuzzOptions:
     canary: bool = False  # search with the canary fault on (kvprop.targets.canary)
     fresh: bool = False  # the Hypothesis driver neither reads nor writes its example database
     known: frozenset = frozenset()  # walk driver: finds of these kinds are kept and the search goes on
+    call_timeout: float = CALL_TIMEOUT  # seconds a worker may go without progress before it is a target-hang
 
 
 @attrs.frozen
@@ -83,32 +88,24 @@ class Unusable(Exception):
 # ---- workers ------------------------------------------------------------------------------
 
 
-def _die_with_parent(parent: int) -> None:
-    """Workers must not outlive the parent, even one killed by SIGKILL: ask Linux to send
-    SIGTERM when it dies (elsewhere the loops check ``os.getppid``)."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-    if os.getppid() != parent:
-        os._exit(0)
-
-
 def _orphaned(parent: int) -> bool:
     return os.getppid() != parent
 
 
-def _walk_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: int) -> None:
+def _walk_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: int, first: int, files: Path) -> None:
     from kvprop.search.walk import run_walk, walk_seed
 
+    journal = jn.Journal(files / f"w{index}.journal")
     runs, steps, events, refused, last = 0, 0, set(), Counter(), time.monotonic()
-    i = 0
+    i = first
     while not stop.is_set() and i <= limit.value and (opts.max_runs is None or i < opts.max_runs):
         if _orphaned(parent):
             return
         seed = walk_seed(opts.seed, index, i)
-        result = run_walk(seed, opts.variant, opts.target, opts.device, opts.max_ops, canary=opts.canary)
+        sv.restart_log()
+        result = run_walk(
+            seed, opts.variant, opts.target, opts.device, opts.max_ops, canary=opts.canary, journal=journal, index=i
+        )
         runs, steps = runs + 1, steps + result.steps_run
         events |= result.events
         if result.refused is not None:
@@ -118,19 +115,26 @@ def _walk_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: int) -
             runs, steps, events, refused, last = 0, 0, set(), Counter(), time.monotonic()
         if result.failure is not None:
             found = tr.to_dict(attrs.evolve(result.trace, failure=result.failure))
+            log = _keep_log(files, index, i)
             if result.failure.kind not in opts.known:
-                out.put(("failure", i, index, found))
+                out.put(("failure", i, index, found, log))
                 return
-            out.put(("known", found))
+            out.put(("known", found, log))
         i += 1
     out.put(("progress", runs, steps, events, refused))
+
+
+def _keep_log(files: Path, index: int, i: int) -> str | None:
+    """A copy of what the target printed in this run, before the next run's output replaces it."""
+    kept = sv.keep_log(files / f"w{index}.log", files, f"find-w{index}-{i}")
+    return str(kept) if kept else None
 
 
 class _Stop(BaseException):
     """Ends a Hypothesis run from inside (Hypothesis lets BaseExceptions through)."""
 
 
-def _hypothesis_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: int) -> None:
+def _hypothesis_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: int, first: int, files: Path) -> None:
     from hypothesis import seed as hseed
     from hypothesis import settings
     from hypothesis.errors import Unsatisfiable
@@ -142,6 +146,7 @@ def _hypothesis_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: 
 
     profiles.load("fuzz")
     machine = machine_for(opts.variant, opts.target, opts.device)
+    machine.journal = jn.Journal(files / f"w{index}.journal")
     chunk = settings(settings.default, max_examples=200)  # Hypothesis starts each run simple: keep runs long
     if opts.fresh:
         chunk = settings(chunk, database=None)
@@ -167,9 +172,10 @@ def _hypothesis_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: 
             last[0] = time.monotonic()
 
     machine.on_example = staticmethod(on_example)
-    i = 0
+    i = first
     while not stop.is_set() and (opts.max_runs is None or machine.counters["examples"] < opts.max_runs):
         s = walk_seed(opts.seed, index, i)
+        machine.run_seed = s
         try:
             run_state_machine_as_test(hseed(s)(machine), settings=chunk)
         except _Stop:
@@ -185,7 +191,8 @@ def _hypothesis_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: 
                     break  # Hypothesis may wrap the _Stop that ended the run
                 out.put(("crash", f"worker {index}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
                 return
-            out.put(("failure", i, index, tr.to_dict(attrs.evolve(failure_trace(machine), seed=s))))
+            log = _keep_log(files, index, i)
+            out.put(("failure", i, index, tr.to_dict(attrs.evolve(failure_trace(machine), seed=s)), log))
             return
         i += 1
     _progress(out, machine, reported)
@@ -216,48 +223,36 @@ def _progress(out, machine, reported: dict) -> None:
     reported.update(examples=c["examples"], steps=c["steps"], refused=Counter(c.get("refused", Counter())))
 
 
-def _worker(index, opts, out, stop, limit, parent):
+def _worker(index, opts, out, stop, limit, parent, first, files):
+    """A supervised worker (``kvprop.search.supervisor``): its last message is ``exit``; a
+    worker that ends without it died, and the parent judges the death."""
     try:
-        _die_with_parent(parent)
+        sv.enter_worker(files / f"w{index}.log", parent)
         worker = _walk_worker if opts.driver == "walk" else _hypothesis_worker
-        worker(index, opts, out, stop, limit, parent)
-    except KeyboardInterrupt:
-        pass
+        worker(index, opts, out, stop, limit, parent, first, files)
+        out.put(("exit", index))
+    except TargetError as e:
+        out.put(("target-error", str(e)))
+        out.put(("exit", index))
+    except (SystemExit, KeyboardInterrupt) as e:  # escaped target code: the worker ends as it asked
+        sv.escaped(e)
     except BaseException as e:  # noqa: BLE001 - report, never hang the parent
         out.put(("crash", f"worker {index}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        out.put(("exit", index))
 
 
 # ---- the parent ---------------------------------------------------------------------------
 
 
-def probe(target, variant=None, device=None, attempts: int = 64) -> None:
-    """Before a search: a target that cannot build any of ``attempts`` sampled configurations
-    cannot be tested at all, which is a ConfigError with the target's own first refusal."""
-    import random
-
-    from kvprop.errors import ConfigError
-    from kvprop.search.alphabet import RandomChooser, sample_config
-    from kvprop.search.harness import Harness
-
-    if target in (None, "kvprop"):
-        return
-    first = None
-    for i in range(attempts):
-        config = sample_config(RandomChooser(random.Random(i)))
-        try:
-            Harness(config, variant=variant, target=target, device=device)
-            return
-        except ConfigError as e:
-            first = first or str(e)
-    raise ConfigError(
-        f"target {target!r} could not build any of {attempts} sampled configurations; first refusal: {first}"
-    )
-
-
 def _from_store(opts: FuzzOptions, store, status) -> Trace | None:
     """A trace another machine stored that still fails here, if any."""
-    for trace in store.traces():
-        if execute(trace, variant=opts.variant, target=opts.target, device=opts.device) is not None:
+    with sv.Supervisor(opts.target, opts.variant, opts.device, opts.call_timeout) as supervisor:
+        return _first_failing(store.traces(), supervisor, status)
+
+
+def _first_failing(traces, supervisor, status) -> Trace | None:
+    for trace in traces:
+        if supervisor.execute(trace).failure is not None:
             if status:
                 status(f"a trace from the shared store still fails ({trace.failure.kind if trace.failure else '?'})")
             return trace
@@ -266,14 +261,15 @@ def _from_store(opts: FuzzOptions, store, status) -> Trace | None:
 
 def search(opts: FuzzOptions, status=None, on_find=None, started: float | None = None) -> FuzzResult:
     """Run workers until the budget ends or a failure (``status`` gets status lines, ``on_find``
-    every find as it arrives, of a known kind too). ``started`` (a ``time.monotonic()`` value) is
-    when the budget began.
+    every find as it arrives, of a known kind too, with the path of the target's output in
+    its run or None). ``started`` (a ``time.monotonic()`` value) is when the budget began.
 
     Ctrl-C ends the search with ``interrupted`` set, never losing what was reported. A worker
-    that hits an error of kvprop itself raises ``WorkerCrash``; a search the target made
-    impossible raises ``Unusable``. With ``opts.redis``, stored traces for this target are
-    replayed first, a find is pushed for the other machines, and a find pushed by another
-    machine ends this search too."""
+    that dies or hangs is a find (``kvprop.search.supervisor``); one that hits an error of
+    kvprop itself raises ``WorkerCrash``; a target that cannot be used raises ``TargetError``;
+    a search the target made impossible raises ``Unusable``. With ``opts.redis``, stored traces
+    for this target are replayed first, a find is pushed for the other machines, and a find
+    pushed by another machine ends this search too."""
     start = time.monotonic() if started is None else started
     store = None
     if opts.redis:
@@ -283,17 +279,30 @@ def search(opts: FuzzOptions, status=None, on_find=None, started: float | None =
         known = _from_store(opts, store, status)
         if known is not None:
             if on_find:
-                on_find(known)
+                on_find(known, None)
             return FuzzResult(known, 0, 0, time.monotonic() - start, frozenset(), 0.0, shared=True)
         seen = len(store)
+    files = Path(tempfile.mkdtemp(prefix="kvprop-fuzz-"))
+    try:
+        return _search(opts, status, on_find, start, store, seen if store is not None else 0, files)
+    finally:
+        shutil.rmtree(files, ignore_errors=True)
+
+
+def _search(opts: FuzzOptions, status, on_find, start: float, store, seen: int, files: Path) -> FuzzResult:
     ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
     out, stop, limit = ctx.Queue(), ctx.Event(), ctx.Value("q", NO_LIMIT)
     parent = os.getpid()
-    procs = [
-        ctx.Process(target=_worker, args=(i, opts, out, stop, limit, parent), daemon=True) for i in range(opts.workers)
-    ]
-    for p in procs:
+    workers: dict = {}
+
+    def spawn(index: int, first: int) -> None:
+        (files / f"w{index}.journal").unlink(missing_ok=True)
+        p = ctx.Process(target=_worker, args=(index, opts, out, stop, limit, parent, first, files), daemon=True)
         p.start()
+        workers[index] = p
+
+    for i in range(opts.workers):
+        spawn(i, 0)
     tally = _Tally(on_find=on_find)
     shared = interrupted = False
     last_status = time.monotonic()
@@ -301,11 +310,11 @@ def search(opts: FuzzOptions, status=None, on_find=None, started: float | None =
         while True:
             interrupt.check()  # one lost inside a finalizer ends the search all the same
             elapsed = time.monotonic() - start
-            if elapsed >= opts.seconds or tally.crash or tally.unusable:
+            if elapsed >= opts.seconds or tally.crash or tally.unusable or tally.target_error:
                 break
             if tally.found and (opts.driver != "walk" or shared):
                 break
-            if not any(p.is_alive() for p in procs) and out.empty():
+            if not any(p.is_alive() for p in workers.values()) and out.empty() and not _unjudged(workers, tally):
                 break
             try:
                 msg = out.get(timeout=min(0.25, max(0.01, opts.seconds - elapsed)))
@@ -313,9 +322,10 @@ def search(opts: FuzzOptions, status=None, on_find=None, started: float | None =
                 msg = None
             if msg is not None:
                 tally.absorb(msg, time.monotonic() - start)
-                if tally.found:
-                    with limit.get_lock():
-                        limit.value = min(limit.value, tally.best[0])
+            _judge_workers(opts, workers, tally, files, out, spawn, time.monotonic() - start)
+            if tally.found:
+                with limit.get_lock():
+                    limit.value = min(limit.value, tally.best[0])
             if time.monotonic() - last_status >= STATUS_EVERY:
                 last_status = time.monotonic()
                 if status:
@@ -328,16 +338,18 @@ def search(opts: FuzzOptions, status=None, on_find=None, started: float | None =
     finally:
         stop.set()
         deadline = time.monotonic() + 5
-        for p in procs:
+        for p in workers.values():
             p.join(timeout=max(0.1, deadline - time.monotonic()))
             if p.is_alive():
-                p.terminate()
+                p.kill()
         while True:
             try:
                 msg = out.get_nowait()
             except (queue_mod.Empty, OSError, ValueError):
                 break
             tally.absorb(msg, time.monotonic() - start)
+    if tally.target_error and not tally.found and not interrupted:
+        raise TargetError(tally.target_error)
     if tally.crash and not tally.found and not interrupted:
         raise WorkerCrash(tally.crash)
     if tally.unusable and not tally.found and not interrupted:
@@ -363,6 +375,50 @@ def search(opts: FuzzOptions, status=None, on_find=None, started: float | None =
     )
 
 
+def _unjudged(workers: dict, tally) -> bool:
+    return any(not p.is_alive() and index not in tally.exited for index, p in workers.items())
+
+
+def _judge_workers(opts: FuzzOptions, workers: dict, tally, files: Path, out, spawn, elapsed: float) -> None:
+    """A worker that died without saying ``exit``, or whose journal went unwritten past the call
+    timeout, is a find: its run up to the operation it was in. A walk worker whose death is of
+    a known kind goes on from the next walk."""
+    now = time.time()
+    for index, p in list(workers.items()):
+        if index in tally.exited:
+            continue
+        hung = None
+        if p.is_alive():
+            idle = jn.age(files / f"w{index}.journal", now)
+            if idle <= opts.call_timeout:
+                continue
+            p.kill()
+            hung = idle
+        p.join()
+        while True:  # what it sent before it died is counted before its death
+            try:
+                tally.absorb(out.get(timeout=0.05), elapsed)
+            except (queue_mod.Empty, OSError, ValueError):
+                break
+        if index in tally.exited:
+            continue
+        tally.exited.add(index)
+        try:
+            found, walk = sv.judge(files / f"w{index}.journal", exitcode=p.exitcode, hung=hung)
+        except TargetError as e:
+            tally.target_error = tally.target_error or str(e)
+            continue
+        tally.runs, tally.steps = tally.runs + 1, tally.steps + len(found.steps)  # the run it died in
+        log = sv.keep_log(files / f"w{index}.log", files, f"death-w{index}")
+        walk = walk or 0
+        if found.failure.kind in opts.known and opts.driver == "walk":
+            tally.known_find(found, None if log is None else str(log))
+            tally.exited.discard(index)
+            spawn(index, walk + 1)
+        else:
+            tally.take(found, elapsed, (walk, index), None if log is None else str(log))
+
+
 @attrs.define
 class _Tally:
     """What the workers have reported: progress adds up; finds are kept by (index, worker)."""
@@ -377,6 +433,8 @@ class _Tally:
     found_at: float | None = None
     crash: str | None = None
     unusable: str | None = None
+    target_error: str | None = None
+    exited: set = attrs.field(factory=set)  # workers that said they end (the others died, if they ended)
 
     @property
     def found(self) -> bool:
@@ -389,12 +447,17 @@ class _Tally:
     def found_trace(self) -> Trace | None:
         return self.finds[self.best] if self.finds else None
 
-    def take(self, trace: Trace, elapsed: float, where: tuple = (-1, -1)) -> None:
+    def take(self, trace: Trace, elapsed: float, where: tuple = (-1, -1), log: str | None = None) -> None:
         self.finds[where] = trace
         if self.found_at is None:
             self.found_at = elapsed
         if self.on_find is not None:
-            self.on_find(trace)
+            self.on_find(trace, log)
+
+    def known_find(self, trace: Trace, log: str | None) -> None:
+        self.known[trace.failure.kind] += 1
+        if self.on_find is not None:
+            self.on_find(trace, log)
 
     def absorb(self, msg, elapsed: float) -> None:
         """Fold in one worker message."""
@@ -403,12 +466,13 @@ class _Tally:
             self.events |= msg[3]
             self.refused.update(msg[4])
         elif msg[0] == "failure":
-            self.take(tr.from_dict(msg[3]), elapsed, (msg[1], msg[2]))
+            self.take(tr.from_dict(msg[3]), elapsed, (msg[1], msg[2]), msg[4])
         elif msg[0] == "known":
-            trace = tr.from_dict(msg[1])
-            self.known[trace.failure.kind] += 1
-            if self.on_find is not None:
-                self.on_find(trace)
+            self.known_find(tr.from_dict(msg[1]), msg[2])
+        elif msg[0] == "exit":
+            self.exited.add(msg[1])
+        elif msg[0] == "target-error":
+            self.target_error = self.target_error or msg[1]
         elif msg[0] == "crash":
             self.crash = self.crash or msg[1]
         elif msg[0] == "unusable":

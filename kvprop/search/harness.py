@@ -24,8 +24,10 @@ class Harness:
         target=None,
         canary: bool = False,
         full_sweeps: bool = False,
+        journal=None,
     ):
         self.config = config
+        self.journal = journal  # kvprop.search.journal.Journal: each operation is written before it runs
         # full_sweeps: every check sweeps every block and table, the reference the incremental
         # checks are tested against (tests/test_incremental.py)
         self.checker = Checker(enabled=checks, full_every=1 if full_sweeps else Checker.FULL_EVERY)
@@ -34,6 +36,8 @@ class Harness:
         )
         self.prompts: list[list[int]] = []
         self.prompt_tokens = 0
+        if journal is not None:
+            journal.built()
 
     def derive_tokens(self, parent: int, cut: int, extra: int, seed: int) -> list[int]:
         """The ``parent``-th most recent prompt less its last ``cut`` tokens, then ``extra`` fresh
@@ -58,9 +62,13 @@ class Harness:
         return f"{request.request_id} = {show_tokens(prompt)} (+{max_new_tokens} new)"
 
     def apply(self, op) -> str:
+        if self.journal is not None:
+            self.journal.operation(op)
         outcome = op.apply(self)
         self.checker.check_all(self.engine)
         return outcome
 
     def drain(self) -> int:
+        if self.journal is not None:
+            self.journal.drain()
         return drain(self.engine, self.checker)

@@ -87,6 +87,8 @@ class KVCacheMachine(RuleBasedStateMachine):
     events_seen: set = set()
     failures: list = []
     counters: dict = {"examples": 0, "steps": 0, "refused": Counter()}
+    journal = None  # in a supervised worker: each example is written as it runs (kvprop.search.journal)
+    run_seed: int | None = None  # the Hypothesis seed of the run, for the journal
 
     def __init__(self):
         super().__init__()
@@ -106,9 +108,20 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.weights = weights
         counters = type(self).counters
         counters["examples"] += 1
+        journal = type(self).journal
+        if journal is not None:
+            from kvprop.search.trace import Trace
+
+            header = Trace(config, (), self.variant, self.target, seed=type(self).run_seed, driver="hypothesis")
+            journal.begin(header)
         try:
             self.harness = Harness(
-                config, variant=self.variant, target=self.target, device=self.device, checks=self.checks
+                config,
+                variant=self.variant,
+                target=self.target,
+                device=self.device,
+                checks=self.checks,
+                journal=journal,
             )
         except ConfigError as e:
             if self.target in (None, "kvprop"):

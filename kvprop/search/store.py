@@ -18,11 +18,11 @@ def _client(url: str):
         import redis
     except ImportError:
         raise ConfigError("--redis needs the 'redis' package: pip install 'kvprop[redis]'") from None
-    client = redis.Redis.from_url(url)
     try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=5)
         client.ping()
-    except redis.exceptions.ConnectionError as e:
-        raise ConfigError(f"--redis {url}: cannot connect ({e})") from e
+    except (redis.exceptions.RedisError, ValueError, OSError) as e:
+        raise ConfigError(f"--redis {url}: cannot connect ({type(e).__name__}: {e})") from None
     return client
 
 

@@ -92,14 +92,20 @@ def run_walk(
     canary: bool = False,
     num_blocks: int | None = None,
     on_step=None,
+    journal=None,
+    index: int | None = None,
 ) -> WalkResult:
     """One walk, drawn on the allocator it runs on. A configuration the target cannot build
     (``ConfigError`` from its factory) is refused: zero steps, no failure, and the reason is
-    reported (never a silent skip)."""
+    reported (never a silent skip). ``journal`` (in a supervised worker) records the walk as it
+    goes, with ``index``, its place in the worker's walks."""
     begun = start(seed, max_ops, num_blocks)
+    if journal is not None:
+        header = Trace(config=begun.config, steps=(), seed=seed, driver="walk", variant=variant, target=target)
+        journal.begin(header, index)
     try:
         harness = Harness(
-            begun.config, variant=variant, target=target, device=device, checks=checks, canary=canary
+            begun.config, variant=variant, target=target, device=device, checks=checks, canary=canary, journal=journal
         )
     except ConfigError as e:
         if target in (None, "kvprop"):

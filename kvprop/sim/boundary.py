@@ -4,11 +4,23 @@ Every manager-facade call the engine makes crosses it. An exception raised on th
 side is the target's own crash — a finding (``TargetCrash``, kind ``target-crash``) — and
 is told apart here from an error of kvprop's engine or checks, which is never a finding.
 A ``Violation`` raised by a check the target calls back into passes through unchanged.
+
+``SystemExit`` raised by the target is its crash too. ``KeyboardInterrupt`` is only in a
+supervised worker (``supervised``), where Ctrl-C is ignored and so can only be raised by
+target code; in kvprop's own process it is the user's Ctrl-C.
 """
 
 from __future__ import annotations
 
 from kvprop.errors import TargetCrash, Violation
+
+TARGET_ERRORS: tuple = (Exception, SystemExit)
+
+
+def supervised() -> None:
+    """This process is a supervised worker: a ``KeyboardInterrupt`` from the target is its crash."""
+    global TARGET_ERRORS
+    TARGET_ERRORS = (Exception, SystemExit, KeyboardInterrupt)
 
 
 class Boundary:
@@ -24,7 +36,7 @@ class Boundary:
             return getattr(self.allocator, call)(*args, **kwargs)
         except (Violation, TargetCrash):
             raise
-        except Exception as e:  # noqa: BLE001 - whatever the target raises is its crash
+        except TARGET_ERRORS as e:  # whatever the target raises is its crash
             raise TargetCrash(call, e) from e
 
     def get_computed_blocks(self, request):

@@ -18,7 +18,7 @@ import importlib
 import os
 import sys
 
-from kvprop.errors import ConfigError
+from kvprop.errors import ConfigError, TargetError
 from kvprop.sim.engine import Engine
 
 BUILTIN = {
@@ -50,6 +50,15 @@ VIEW_CALLS = (
 VIEW_FIELDS = ("num_blocks", "block_size", "num_groups", "null_block_id", "num_free_blocks")
 
 
+def check_name(target) -> None:
+    """``target`` has the form of a target name (checked without importing anything)."""
+    if target is None or is_builtin(target):
+        return
+    module_name, sep, attr = target.partition(":") if isinstance(target, str) else ("", "", "")
+    if not sep or not attr.isidentifier() or not all(p.isidentifier() for p in module_name.split(".")):
+        raise ConfigError(f"target must be {NAMES}, got {target!r}")
+
+
 def load_factory(target: str):
     """The factory a target names; any way it cannot be loaded is a ConfigError that says why."""
     if not isinstance(target, str):
@@ -63,9 +72,9 @@ def load_factory(target: str):
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ConfigError(f"target {target!r}: cannot import {module_name!r} ({e})") from e
+        raise TargetError(f"target {target!r}: cannot import {module_name!r} ({e})") from e
     except Exception as e:  # noqa: BLE001 - the module's own code failed: say so, it is the user's input
-        raise ConfigError(f"target {target!r}: importing {module_name!r} raised {type(e).__name__}: {e}") from e
+        raise TargetError(f"target {target!r}: importing {module_name!r} raised {type(e).__name__}: {e}") from e
     try:
         factory = getattr(module, attr)
     except AttributeError:
@@ -95,6 +104,17 @@ def check_built(target: str, built) -> tuple:
     return allocator, view
 
 
+def _call_factory(target: str, factory, *args, **kwargs):
+    """The factory's result; a ConfigError is its refusal of this configuration, any other
+    exception says the target cannot be used (a TargetError naming it, never kvprop's error)."""
+    try:
+        return factory(*args, **kwargs)
+    except (ConfigError, TargetError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the target's own code failed
+        raise TargetError(f"target {target!r}: its factory raised {type(e).__name__}: {str(e)[:500]}") from e
+
+
 def build_engine(config, variant=None, target=None, device=None, hooks=None, canary: bool = False) -> Engine:
     """The engine over ``target``'s allocator (kvprop's own, with ``variant``, by default); with
     ``canary`` the engine carries the canary fault (``kvprop.targets.canary``)."""
@@ -108,8 +128,8 @@ def build_engine(config, variant=None, target=None, device=None, hooks=None, can
         raise ConfigError(f"variant {variant!r} applies to the kvprop target only, not to target {target!r}")
     factory = load_factory(target)
     if getattr(factory, "engine_target", False):  # it builds the whole engine (its own scheduler)
-        return factory(config, device=device, hooks=hooks, canary=canary)
-    allocator, view = check_built(target, factory(config.allocator))
+        return _call_factory(target, factory, config, device=device, hooks=hooks, canary=canary)
+    allocator, view = check_built(target, _call_factory(target, factory, config.allocator))
     if config.allocator.enable_kv_cache_events and not hasattr(allocator, "take_events"):
         raise ConfigError(
             f"target {target!r}: the configuration enables KV cache events, but the allocator has no "

@@ -29,6 +29,7 @@ import inspect
 
 from kvprop.allocator.specs import EngineConfig
 from kvprop.errors import ConfigError, TargetCrash, Violation
+from kvprop.sim import boundary
 from kvprop.sim.engine import (
     EV_ABORT_LOAD,
     EV_EVICT,
@@ -269,7 +270,7 @@ class SchedulerEngine(OffloadWorker, Engine):
             return fn(*args)
         except (Violation, TargetCrash):
             raise
-        except Exception as e:
+        except boundary.TARGET_ERRORS as e:
             if self._hook_error is not None:
                 raise self._hook_error from None
             raise TargetCrash(what, e) from e

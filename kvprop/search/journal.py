@@ -1,0 +1,124 @@
+"""The journal: what a worker is running, on disk before it runs, so that a death loses nothing.
+
+A worker process writes the current run's header (configuration, seed, allocator) before
+it builds the target, a mark once the target is built, each operation before it is
+applied, and a mark before the final drain. When the worker dies (a signal, ``os._exit``)
+or stops making progress (a hang), the parent reads the journal back as a trace up to the
+operation that killed it, and judges the death as a find of its own
+(``kvprop.search.supervisor``). The file's modification time is the worker's heartbeat:
+every operation writes a line.
+
+Lines are plain text, not JSON, to cost a few microseconds an operation:
+``run <json header>``, ``built``, ``op <Name> <arg> <arg> ...``, ``drain``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import attrs
+
+from kvprop.search.alphabet import OPERATION_BY_NAME
+from kvprop.search.trace import Trace, config_from_dict, config_to_dict
+
+PHASES = ("build", "operation", "drain")
+
+
+class Journal:
+    """The worker's side: one file, rewritten from the start at every run."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - lives as long as the worker
+
+    def begin(self, trace: Trace, index: int | None = None) -> None:
+        """A new run: ``trace`` without steps says what it runs; ``index`` is the walk's index in its worker."""
+        header = {
+            "config": config_to_dict(trace.config),
+            "seed": trace.seed,
+            "driver": trace.driver,
+            "variant": trace.variant,
+            "target": trace.target,
+            "drain": trace.drain,
+            "index": index,
+        }
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"run {json.dumps(header)}\n")
+        self.file.flush()
+
+    def built(self) -> None:
+        self.file.write("built\n")
+        self.file.flush()
+
+    def operation(self, op) -> None:
+        self.file.write(f"op {type(op).__name__} {' '.join(map(str, attrs.astuple(op)))}\n")
+        self.file.flush()
+
+    def drain(self) -> None:
+        self.file.write("drain\n")
+        self.file.flush()
+
+
+@attrs.frozen
+class Journalled:
+    """A run read back: the trace up to the operation it was in, where it was, and its walk index."""
+
+    trace: Trace
+    phase: str  # one of PHASES
+    index: int | None
+
+    @property
+    def step(self) -> int:
+        """The failure step the death stands at: the last operation begun, or the drain."""
+        if self.phase == "operation":
+            return len(self.trace.steps) - 1
+        return len(self.trace.steps)
+
+
+def read(path: Path) -> Journalled | None:
+    """The run a journal describes, or None if the worker died before it began one."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not lines or not lines[0].startswith("run "):
+        return None
+    try:
+        header = json.loads(lines[0][4:])
+    except ValueError:
+        return None
+    phase, steps = "build", []
+    for line in lines[1:]:
+        word, _, rest = line.partition(" ")
+        if word == "built":
+            phase = "operation" if steps else "built"
+        elif word == "op":
+            name, *args = rest.split(" ")
+            cls = OPERATION_BY_NAME[name]
+            steps.append(cls(**dict(zip(cls.ARGS, map(int, args), strict=True))))
+            phase = "operation"
+        elif word == "drain":
+            phase = "drain"
+    if phase == "built":  # built, then died before the first operation: nothing ran but the drain would
+        phase = "drain"
+    trace = Trace(
+        config=config_from_dict(header["config"]),
+        steps=tuple(steps),
+        variant=header["variant"],
+        target=header["target"],
+        drain=header["drain"],
+        seed=header["seed"],
+        driver=header["driver"],
+    )
+    return Journalled(trace, phase, header["index"])
+
+
+def age(path: Path, now: float) -> float:
+    """Seconds since the journal was last written (``now`` from ``time.time()``); 0 if it is not there."""
+    try:
+        return max(0.0, now - os.stat(path).st_mtime)
+    except OSError:
+        return 0.0

@@ -1,0 +1,357 @@
+"""Supervised workers: target code runs only in a worker process, and its death is a find.
+
+kvprop's own process never imports a target module nor calls target code. Each worker
+sends what the target prints to a log file (never to kvprop's output), writes a journal of
+the run in progress (``kvprop.search.journal``), and is judged by the parent:
+
+- it sends a result: the target behaved (a violation, a ``target-crash`` raised in a call,
+  or a pass);
+- it dies — a signal, ``os._exit``, ``SystemExit`` or ``KeyboardInterrupt`` escaping target
+  code — without a result: a ``target-crash`` find naming the signal or exit status, its
+  trace read from the journal up to the operation it died in;
+- its journal is not written for ``call_timeout`` seconds: the parent kills it, and the
+  find is a ``target-hang`` at the operation it hung in.
+
+As AFL and libFuzzer treat a crashing or hanging target: a find with its input saved, never
+an error of the harness. ``Supervisor`` runs single executions (replay, minimising, the
+probe, the shared store's traces) in one worker it restarts after each death; the fuzz
+workers (``kvprop.search.fuzz``) use the same set-up and the same judgement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import attrs
+
+from kvprop.errors import ConfigError, KvpropError, TargetError
+from kvprop.search import CALL_TIMEOUT
+from kvprop.search import journal as jn
+from kvprop.search import trace as tr
+from kvprop.search.trace import Failure, Trace
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def death_cause(exitcode: int | None) -> str:
+    """What ended a process, as the failure's ``exception`` (the minimiser keeps it constant)."""
+    if exitcode is None:
+        return "unknown"
+    if exitcode < 0:
+        return f"signal {signal_name(-exitcode)}"
+    return f"exit status {exitcode}"
+
+
+def judge(journal_path: Path, exitcode: int | None = None, hung: float | None = None) -> tuple[Trace, int | None]:
+    """The find a worker's death stands for: its journal's run with a ``target-crash`` (died
+    with ``exitcode``) or ``target-hang`` (no progress for ``hung`` seconds) failure, and the
+    run's walk index. A worker that died before it began a run has no journal to read: that is
+    a ``TargetError`` (the target cannot even be set up)."""
+    run = jn.read(journal_path)
+    cause = death_cause(exitcode)
+    if run is None:
+        what = f"hung for {hung:.0f}s" if hung is not None else f"died ({cause})"
+        raise TargetError(f"the worker running the target {what} before it began a run")
+    where = {
+        "build": "while building the target (its import or factory)",
+        "drain": "in the final drain",
+        "operation": f"in operation {run.step}",
+    }[run.phase]
+    if hung is not None:
+        failure = Failure(
+            run.step,
+            "target-hang",
+            f"target-hang: no progress for {hung:.0f}s {where}",
+            "target-hang",
+            "hang",
+        )
+    else:
+        failure = Failure(
+            run.step,
+            "target-crash",
+            f"target-crash: the target's process died ({cause}) {where}",
+            "target-crash",
+            cause,
+        )
+    return attrs.evolve(run.trace, failure=failure), run.index
+
+
+# ---- a worker's set-up ---------------------------------------------------------------------
+
+
+def die_with_parent(parent: int) -> None:
+    """Workers must not outlive the parent, even one killed by SIGKILL: ask Linux to send
+    SIGKILL when it dies (elsewhere the loops check ``os.getppid``)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+def enter_worker(log_path: Path, parent: int) -> None:
+    """Make this process a worker: the target's output goes to ``log_path``; Ctrl-C is the
+    parent's to handle (so a ``KeyboardInterrupt`` here can only come from target code, and is
+    its crash); the worker dies with the parent."""
+    from kvprop.sim import boundary
+
+    die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    boundary.supervised()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def restart_log() -> None:
+    """Each run's log starts empty, so the log beside a find is that run's output alone."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with contextlib.suppress(OSError):
+        os.ftruncate(1, 0)
+
+
+def escaped(error: BaseException) -> None:
+    """``SystemExit`` or ``KeyboardInterrupt`` escaped target code (its import or factory, or
+    an engine call kvprop does not wrap): end the worker as the target asked, for the parent to judge."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if isinstance(error, SystemExit):
+        code = error.code
+        os._exit(code if isinstance(code, int) and 0 <= code < 256 else 1)
+    os._exit(128 + signal.SIGINT)
+
+
+def keep_log(log_path: Path, out: Path | None, name: str) -> Path | None:
+    """The target's output of a find's run, beside the find (``<name>.log``); None if it printed nothing."""
+    try:
+        if out is None or os.path.getsize(log_path) == 0:
+            return None
+        kept = Path(out) / f"{name}.log"
+        shutil.copyfile(log_path, kept)
+        return kept
+    except OSError:
+        return None
+
+
+# ---- single executions ---------------------------------------------------------------------
+
+
+@attrs.frozen
+class Executed:
+    """One execution's outcome, as the worker or the parent's judgement gives it."""
+
+    failure: Failure | None
+    lines: tuple = ()  # (step, operation repr, outcome) per step, when asked for
+    events: frozenset = frozenset()
+    log: Path | None = None  # where the target's output of this run is kept (after a death)
+
+
+def _serve(conn, target, variant, device, journal_path: Path, log_path: Path, parent: int) -> None:
+    """The worker: executes each trace the parent sends until the pipe closes."""
+    from kvprop.search.execute import execute
+
+    enter_worker(log_path, parent)
+    journal = jn.Journal(journal_path)
+    try:
+        while True:
+            try:
+                request = conn.recv()
+            except EOFError:
+                return
+            kind, payload, options = request
+            restart_log()
+            try:
+                if kind == "probe":
+                    conn.send(("ok", _probe(journal, target, variant, device, payload)))
+                    continue
+                trace = tr.from_dict(payload)
+                lines: list = []
+                events: set = set()
+                failure = execute(
+                    trace,
+                    variant=variant,
+                    target=target,
+                    device=device,
+                    on_step=_recorder(lines) if options.get("lines") else None,
+                    checks=options.get("checks", True),
+                    events=events,
+                    journal=journal,
+                )
+                conn.send(("ok", (attrs.asdict(failure) if failure else None, tuple(lines), frozenset(events))))
+            except TargetError as e:
+                conn.send(("target-error", str(e)))
+            except KvpropError as e:
+                conn.send(("kvprop-error", f"{type(e).__name__}\n{e}"))
+            except (SystemExit, KeyboardInterrupt) as e:
+                escaped(e)
+            except Exception as e:  # noqa: BLE001 - an error of kvprop itself, reported to the parent
+                import traceback
+
+                conn.send(("internal", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    except (SystemExit, KeyboardInterrupt) as e:
+        escaped(e)
+
+
+def _recorder(lines: list):
+    def record(i, op, outcome) -> None:
+        lines.append((i, repr(op), outcome))
+
+    return record
+
+
+def _probe(journal, target, variant, device, attempts: int) -> str | None:
+    """Build sampled configurations until one builds: None, or the first refusal if none did."""
+    import random
+
+    from kvprop.search.alphabet import RandomChooser, sample_config
+    from kvprop.search.harness import Harness
+
+    first = None
+    for i in range(attempts):
+        config = sample_config(RandomChooser(random.Random(i)))
+        journal.begin(Trace(config=config, steps=(), variant=variant, target=target, seed=i))
+        try:
+            Harness(config, variant=variant, target=target, device=device)
+            return None
+        except ConfigError as e:
+            first = first or str(e)
+    return first or "no reason given"
+
+
+class Supervisor:
+    """Executes traces on one target in a worker process, restarted after each death.
+
+    Use as a context manager; ``close`` ends the worker and removes its files."""
+
+    def __init__(self, target=None, variant=None, device=None, call_timeout: float = CALL_TIMEOUT):
+        self.target, self.variant, self.device = target, variant, device
+        self.call_timeout = call_timeout
+        self.dir = Path(tempfile.mkdtemp(prefix="kvprop-worker-"))
+        self.journal_path = self.dir / "journal"
+        self.log_path = self.dir / "target.log"
+        self.proc = None
+        self.conn = None
+        self.deaths = 0
+
+    def __enter__(self) -> Supervisor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+        ours, theirs = ctx.Pipe()
+        self.journal_path.unlink(missing_ok=True)
+        self.log_path.unlink(missing_ok=True)
+        self.proc = ctx.Process(
+            target=_serve,
+            args=(theirs, self.target, self.variant, self.device, self.journal_path, self.log_path, os.getpid()),
+            daemon=True,
+        )
+        self.proc.start()
+        theirs.close()
+        self.conn = ours
+
+    def close(self) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(OSError):
+                self.conn.close()
+            self.proc.join(timeout=1)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join()
+            self.proc = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _ask(self, request):
+        """The worker's answer to ``request``, or ``("died", trace)`` after judging its death."""
+        if self.proc is None or not self.proc.is_alive():
+            self._start()
+        self.conn.send(request)
+        started = time.time()
+        while True:
+            if self.conn.poll(0.05):
+                try:
+                    return self.conn.recv()
+                except EOFError:
+                    pass  # it died while answering: judged below
+            if not self.proc.is_alive():
+                if self.conn.poll(0):
+                    with contextlib.suppress(EOFError):
+                        return self.conn.recv()
+                self.proc.join()
+                return self._died(exitcode=self.proc.exitcode)
+            now = time.time()
+            idle = min(now - started, jn.age(self.journal_path, now) if self.journal_path.exists() else now)
+            if idle > self.call_timeout:
+                self.proc.kill()
+                self.proc.join()
+                return self._died(hung=idle)
+
+    def _died(self, exitcode=None, hung=None):
+        self.deaths += 1
+        found, _ = judge(self.journal_path, exitcode=exitcode, hung=hung)
+        self.proc = None
+        return ("died", found)
+
+    def _answer(self, answer):
+        kind, payload = answer
+        if kind == "target-error":
+            raise TargetError(payload)
+        if kind == "kvprop-error":
+            name, _, message = payload.partition("\n")
+            raise (TargetError if name == "TargetError" else ConfigError)(message)
+        if kind == "internal":
+            raise RuntimeError(payload)
+        return payload
+
+    def execute(self, trace: Trace, *, lines: bool = False, checks: bool = True) -> Executed:
+        """``trace`` run in the worker; a death is judged into the failure (its ``exception``
+        names the signal or exit status) and the trace's steps up to it."""
+        sent = tr.to_dict(attrs.evolve(trace, failure=None))  # a candidate may have lost the recorded failure's step
+        answer = self._ask(("execute", sent, {"lines": lines, "checks": checks}))
+        if answer[0] == "died":
+            found = answer[1]
+            last = found.failure.step
+            shown = tuple(
+                (i, repr(op), "(the target's process ended here)" if i == last else "(ran; its outcome died with it)")
+                for i, op in enumerate(found.steps)
+            )
+            return Executed(found.failure, shown, frozenset(), self.log_path if self.log_path.exists() else None)
+        failure, shown, events = self._answer(answer)
+        return Executed(Failure(**failure) if failure else None, shown, events)
+
+    def probe(self, attempts: int = 64) -> Trace | None:
+        """Before a search: a target that builds none of ``attempts`` sampled configurations
+        cannot be tested (a ConfigError with its first refusal). A death or hang while building
+        is returned as the find it is."""
+        answer = self._ask(("probe", attempts, {}))
+        if answer[0] == "died":
+            return answer[1]
+        refusal = self._answer(answer)
+        if refusal is not None:
+            raise ConfigError(
+                f"target {self.target!r} could not build any of {attempts} sampled configurations; "
+                f"first refusal: {refusal}"
+            )
+        return None

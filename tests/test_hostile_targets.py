@@ -1,0 +1,153 @@
+"""Targets that hang, exit, crash or print: each is a find or a target error, never kvprop's.
+
+Every test writes a small hostile target module: kvprop's own allocator behind a facade
+whose fault fires at import, in the factory, or in ``allocate_slots`` for the third request
+(``r2``, reached within a few operations by any walk). kvprop runs the target only in a
+supervised worker (``kvprop.search.supervisor``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+MODULE = """
+import os, signal, sys, time
+from kvprop.allocator.view import AllocatorView
+from kvprop.targets.kvprop import make_allocator
+
+{at_import}
+
+
+class Hostile:
+    def __init__(self, allocator):
+        self._allocator = allocator
+
+    def __getattr__(self, name):
+        return getattr(self._allocator, name)
+
+    def allocate_slots(self, request, *args, **kwargs):
+        {every_call}
+        if request.request_id == "r2":
+            {in_call}
+        return self._allocator.allocate_slots(request, *args, **kwargs)
+
+
+def make_target(config):
+    {in_factory}
+    allocator = make_allocator(config)
+    return Hostile(allocator), AllocatorView(allocator)
+"""
+
+FAULTS = {
+    "hang": "time.sleep(3600)",
+    "exit": "os._exit(3)",
+    "segfault": "os.kill(os.getpid(), signal.SIGSEGV)",
+    "system-exit": "raise SystemExit(0)",
+    "keyboard-interrupt": "raise KeyboardInterrupt",
+}
+
+
+def write_target(tmp_path: Path, at_import="pass", in_factory="pass", in_call="pass", every_call="pass") -> str:
+    source = MODULE.format(at_import=at_import, in_factory=in_factory, in_call=in_call, every_call=every_call)
+    (tmp_path / "hostile.py").write_text(source)
+    return "hostile:make_target"
+
+
+def kvprop(tmp_path: Path, *args):
+    return subprocess.run(
+        [sys.executable, "-m", "kvprop", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"},
+        timeout=300,
+    )
+
+
+def fuzz(tmp_path: Path, target: str, *more):
+    args = ("fuzz", "--workers", "1", "--seconds", "120", "--seed", "1", "--call-timeout", "2", "--out", "cx")
+    return kvprop(tmp_path, *args, "--target", target, "--json", *more)
+
+
+def minimised(tmp_path: Path) -> Path:
+    (trace,) = [p for p in (tmp_path / "cx").glob("*.json") if not p.name.endswith(".found.json")]
+    return trace
+
+
+@pytest.mark.parametrize(
+    ("where", "fault", "kind", "cause", "phase"),
+    [
+        ("at_import", "hang", "target-hang", "hang", "while building the target"),
+        ("in_factory", "hang", "target-hang", "hang", "while building the target"),
+        ("in_call", "hang", "target-hang", "hang", "in "),
+        ("in_factory", "system-exit", "target-crash", "exit status 0", "while building the target"),
+        ("in_factory", "keyboard-interrupt", "target-crash", "exit status 130", "while building the target"),
+        ("in_call", "exit", "target-crash", "exit status 3", "in "),
+        ("in_call", "segfault", "target-crash", "signal SIGSEGV", "in "),
+    ],
+)
+def test_a_dying_or_hanging_target_is_a_find_saved_and_replayed(tmp_path, where, fault, kind, cause, phase):
+    target = write_target(tmp_path, **{where: FAULTS[fault]})
+    r = fuzz(tmp_path, target)
+    find = json.loads(r.stdout)["find"]
+    trace = minimised(tmp_path)
+    saved = json.loads(trace.read_text())["failure"]
+    replayed = kvprop(tmp_path, "replay", str(trace), "--target", target, "--call-timeout", "2")
+    assert (r.returncode, find["kind"], saved["exception"], phase in saved["message"]) == (1, kind, cause, True), (
+        r.stderr
+    )
+    assert (replayed.returncode, f"REPRODUCED {kind} (the recorded violation)" in replayed.stdout) == (1, True)
+
+
+def test_a_call_that_raises_system_exit_is_a_target_crash_in_that_call(tmp_path):
+    r = fuzz(tmp_path, write_target(tmp_path, in_call=FAULTS["system-exit"]))
+    find = json.loads(r.stdout)["find"]
+    assert (r.returncode, find["kind"], "SystemExit raised by the target's allocate_slots()" in find["message"]) == (
+        1,
+        "target-crash",
+        True,
+    )
+
+
+@pytest.mark.parametrize("error", ["TypeError", "ValueError", "RecursionError", "MemoryError"])
+@pytest.mark.parametrize("command", ["fuzz", "replay"])
+def test_a_factory_that_raises_exits_2_naming_the_target_and_the_exception(tmp_path, error, command):
+    target = write_target(tmp_path, in_factory=f"raise {error}('broken factory')")
+    if command == "fuzz":
+        r = fuzz(tmp_path, target)
+    else:
+        r = kvprop(tmp_path, "replay", str(ROOT / "tests/data/one-token-reload-uncached.json"), "--target", target)
+    says = f"target 'hostile:make_target': its factory raised {error}: broken factory"
+    assert (r.returncode, says in r.stderr, "internal error" in r.stderr, "Traceback" in r.stderr) == (
+        2,
+        True,
+        False,
+        False,
+    ), r.stderr
+
+
+def test_an_import_that_raises_exits_2_naming_the_target(tmp_path):
+    r = fuzz(tmp_path, write_target(tmp_path, at_import="raise RuntimeError('broken import')"))
+    says = "target 'hostile:make_target': importing 'hostile' raised RuntimeError: broken import"
+    assert (r.returncode, says in r.stderr) == (2, True), r.stderr
+
+
+def test_what_the_target_prints_goes_to_a_log_beside_the_find_not_to_kvprops_output(tmp_path):
+    noisy = "sys.stdout.write('x' * 100_000); sys.stderr.write('y' * 100_000)"
+    r = fuzz(tmp_path, write_target(tmp_path, every_call=noisy, in_call=FAULTS["exit"]))
+    find = json.loads(r.stdout)["find"]  # stdout is one JSON object and nothing else
+    log = Path(tmp_path / find["log"]).read_text()
+    assert (r.returncode, "xxxx" in r.stdout + r.stderr, log.count("x") >= 100_000, "yyyy" in log) == (
+        1,
+        False,
+        True,
+        True,
+    )
