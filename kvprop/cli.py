@@ -214,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     cov.add_argument("--max-ops", type=operations, default=200, help="operations per walk")
     cov.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     cov.add_argument("--html", default=None, metavar="DIR", help="also write coverage.py's HTML report into DIR")
+    cov.add_argument("--out", default="counterexamples", help="where a target that dies or hangs is saved")
     target_args(cov, more="; 'vllm+vllm-scheduler' alternates walks between vLLM's two targets")
 
     ag = command("agree", c.cmd_agree, "walk kvprop's allocator and a target side by side (exit 1: they disagree)")
@@ -259,6 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
         "model, and its known bugs: kvprop.targets.vllm_releases); the header names them",
     )
     ag.add_argument("--json", action="store_true", help="print one JSON object")
+    ag.add_argument("--out", default="counterexamples", help="where a target that dies or hangs is saved")
+    ag.add_argument(
+        "--call-timeout",
+        type=seconds,
+        default=CALL_TIMEOUT,
+        help="seconds the target may take without progress before it is a target-hang find",
+    )
 
     bench = command("bench", c.cmd_bench, "throughput, scaling and time-to-find tables")
     bench.add_argument("--json", action="store_true", help="one JSON object instead of tables")

@@ -59,10 +59,10 @@ ORIGINS = {
 }
 
 
-def _supervisor(args, variant, target):
+def _supervisor(args, variant, target, fresh: bool = False):
     from kvprop.search.supervisor import Supervisor
 
-    return Supervisor(target, variant, args.device, args.call_timeout)
+    return Supervisor(target, variant, args.device, args.call_timeout, fresh=fresh)
 
 
 def _check_device(device) -> None:
@@ -292,6 +292,24 @@ def _write_find(args, result, out, summary, name, best, interrupted, supervisor)
         "log": str(getattr(args, "logs", {}).get(found)) if getattr(args, "logs", {}).get(found) else None,
     }
     _emit_json(args, summary, verdict="found")
+    return EXIT_FOUND
+
+
+def _died(args, died, command: str) -> int:
+    """The target died or hung while ``command`` ran it: a find, saved under ``--out`` with what
+    the target printed, and exit 1."""
+    from kvprop.repro import counterexample
+
+    out = counterexample.check_out(Path(args.out))
+    trace = died.trace
+    name = counterexample.name_for(trace)
+    path = counterexample.write_found(trace, out, name)
+    print(f"FOUND {trace.failure.kind} while {command} ran the target: {trace.failure.message}", file=sys.stderr)
+    print(f"saved {path}\nreplay: {_replay_line(path, trace)}", file=sys.stderr)
+    if died.log is not None:
+        kept = out / f"{name}.log"
+        shutil.copyfile(died.log, kept)
+        print(f"the target's output in that run: {kept}", file=sys.stderr)
     return EXIT_FOUND
 
 
@@ -534,6 +552,7 @@ def _agree_flags(args) -> str:
 
 def cmd_agree(args) -> int:
     from kvprop.search.agree import agree
+    from kvprop.search.supervisor import Died
 
     if args.target == "kvprop":
         raise ConfigError("agree compares kvprop's allocator with another target: give --target vllm or pkg.mod:f")
@@ -544,16 +563,22 @@ def cmd_agree(args) -> int:
     if rules is not None:
         _say(args, rules)
     seeds = range(args.seed, args.seed + args.walks)
-    result = agree(
-        args.target,
-        seeds,
-        max_ops=args.max_ops,
-        no_junction=args.no_junction,
-        block_hits=args.block_hits,
-        reference_variant=args.reference_variant,
-        no_checkpoints=args.no_checkpoints,
-        incremental_report=args.incremental_report,
-    )
+    options = {
+        "target": args.target,
+        "seeds": seeds,
+        "max_ops": args.max_ops,
+        "no_junction": args.no_junction,
+        "block_hits": args.block_hits,
+        "reference_variant": args.reference_variant,
+        "no_checkpoints": args.no_checkpoints,
+        "incremental_report": args.incremental_report,
+    }
+    args.device = None
+    with _supervisor(args, None, args.target) as supervisor:
+        try:
+            result = supervisor.call(agree, options)
+        except Died as died:
+            return _died(args, died, "agree")
     if result.walks == 0:
         raise ConfigError(
             f"target {args.target!r} refused all {result.refused} configurations, nothing compared; "
@@ -584,25 +609,29 @@ def cmd_bench(args) -> int:
 
 def cmd_coverage(args) -> int:
     from kvprop import coverage
+    from kvprop.search.supervisor import Died
 
-    _check_device(args.device)
-    coverage.check(args.target, args.variant, args.seconds, max_ops=args.max_ops)
+    _check_device(args.device)  # the target and variant are checked in the worker, before it measures
     label = f"variant {args.variant}" if args.variant else f"target {args.target or 'kvprop'}"
     _say(args, f"kvprop {__version__} coverage: {label}, walk driver, {args.seconds:g}s budget, seed {args.seed}")
 
     def progress(runs, steps, elapsed):
         _say(args, f"  {elapsed:5.0f}s: {runs:,} walks, {steps:,} steps")
 
-    report = coverage.measure(
-        target=args.target,
-        variant=args.variant,
-        seconds=args.seconds,
-        seed=args.seed,
-        max_ops=args.max_ops,
-        device=args.device,
-        html=args.html,
-        progress=progress,
-    )
+    options = {
+        "target": args.target,
+        "variant": args.variant,
+        "seconds": args.seconds,
+        "seed": args.seed,
+        "max_ops": args.max_ops,
+        "device": args.device,
+        "html": args.html,
+    }
+    with _supervisor(args, args.variant, args.target, fresh=True) as supervisor:  # the walks run in a new process
+        try:
+            report = supervisor.call(coverage.measure, options, progress=progress)
+        except Died as died:
+            return _died(args, died, "coverage")
     if args.json:
         print(json.dumps(report.as_dict(), indent=1))
     else:

@@ -453,6 +453,9 @@ def check(target=None, variant=None, seconds: float = 60.0, driver: str = "walk"
     return scope(target)
 
 
+PROBE_ATTEMPTS = 64
+
+
 def measure(
     target=None,
     variant=None,
@@ -463,11 +466,13 @@ def measure(
     device=None,
     html=None,
     progress=None,
+    journal=None,
 ) -> Report:
     """Walk ``target`` for ``seconds`` under coverage.py and report what of its allocator ran.
 
     ``html``: a directory for coverage.py's HTML report. ``progress(runs, steps, elapsed)``
-    is called about every ``PROGRESS_EVERY`` seconds. Bad input is a ConfigError."""
+    is called about every ``PROGRESS_EVERY`` seconds. Bad input is a ConfigError. ``kvprop
+    coverage`` runs it in a supervised worker, whose ``journal`` records each walk."""
     try:
         import coverage
     except ImportError:
@@ -494,12 +499,17 @@ def measure(
 
             get_variant(variant)
         else:
-            from kvprop.search.fuzz import probe
+            from kvprop.search.supervisor import probe_here
             from kvprop.targets import load_factory
 
             for one in targets:
                 load_factory(one)
-                probe(one, variant, device)
+                refusal = probe_here(journal, one, variant, device, PROBE_ATTEMPTS)
+                if refusal is not None:
+                    raise ConfigError(
+                        f"target {one!r} could not build any of {PROBE_ATTEMPTS} sampled configurations; "
+                        f"first refusal: {refusal}"
+                    )
         if device is not None:
             from kvprop.sim.memory import pick_device
 
@@ -509,7 +519,9 @@ def measure(
         started = last = time.monotonic()
         while True:
             one = targets[runs % len(targets)]  # walk i's seed on one target, walk i + 1's on the next
-            result = run_walk(walk_seed(seed, 0, runs), variant, one, device=device, max_ops=max_ops)
+            result = run_walk(
+                walk_seed(seed, 0, runs), variant, one, device=device, max_ops=max_ops, journal=journal, index=runs
+            )
             runs += 1
             steps += result.steps_run
             finds += result.failure is not None

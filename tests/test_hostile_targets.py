@@ -151,3 +151,21 @@ def test_what_the_target_prints_goes_to_a_log_beside_the_find_not_to_kvprops_out
         True,
         True,
     )
+
+
+@pytest.mark.parametrize(
+    "command", [("agree", "--walks", "20"), ("coverage", "--seconds", "60")], ids=["agree", "coverage"]
+)
+def test_a_target_dying_under_agree_or_coverage_is_a_find_saved_with_its_replay(tmp_path, command):
+    target = write_target(tmp_path, in_call=FAULTS["segfault"])
+    r = kvprop(tmp_path, *command, "--target", target, "--out", "cx")
+    (found,) = (tmp_path / "cx").glob("*.found.json")
+    replayed = kvprop(tmp_path, "replay", str(found), "--target", target)
+    says = "FOUND target-crash while"
+    assert (r.returncode, says in r.stderr, replayed.returncode) == (1, True, 1), r.stdout + r.stderr
+
+
+def test_a_hanging_target_under_coverage_ends_past_the_call_timeout_as_a_target_hang(tmp_path):
+    target = write_target(tmp_path, in_call=FAULTS["hang"])
+    r = kvprop(tmp_path, "coverage", "--seconds", "600", "--call-timeout", "2", "--target", target, "--out", "cx")
+    assert (r.returncode, "FOUND target-hang while coverage ran the target" in r.stderr) == (1, True), r.stderr

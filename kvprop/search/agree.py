@@ -77,6 +77,7 @@ def agree_walk(
     reference_variant: str | None = None,
     no_checkpoints: bool = False,
     incremental_report: bool = False,
+    journal=None,
 ):
     """(steps run, the first disagreement) of walk ``seed`` between kvprop and ``target``
     (checks off on both sides: the invariants are not what is compared here). ``block_hits``:
@@ -98,7 +99,9 @@ def agree_walk(
     config = attrs.evolve(config, allocator=attrs.evolve(config.allocator, **changes))
     trace = attrs.evolve(trace, config=config)
     reference = Harness(trace.config, variant=reference_variant, checks=False)
-    other = Harness(trace.config, target=target, checks=False)
+    if journal is not None:  # in a supervised worker: the target's side of the walk, as it runs
+        journal.begin(attrs.evolve(trace, steps=(), variant=None, target=target), seed)
+    other = Harness(trace.config, target=target, checks=False, journal=journal)
     steps = [op for op in trace.steps if type(op).__name__ != "Misuse"]
     for i, op in enumerate(steps):
         said = _outcome(reference, op), _outcome(other, op)
@@ -141,6 +144,7 @@ def agree(
     reference_variant: str | None = None,
     no_checkpoints: bool = False,
     incremental_report: bool = False,
+    journal=None,
 ) -> Agreement:
     """Walk ``seeds`` on both sides until the first disagreement. A configuration the target
     refuses (ConfigError from its factory) is counted, not compared."""
@@ -156,6 +160,7 @@ def agree(
                 reference_variant=reference_variant,
                 no_checkpoints=no_checkpoints,
                 incremental_report=incremental_report,
+                journal=journal,
             )
         except ConfigError as e:
             result = attrs.evolve(result, refused=result.refused + 1, first_refusal=result.first_refusal or str(e))

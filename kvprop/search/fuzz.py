@@ -389,7 +389,7 @@ def _judge_workers(opts: FuzzOptions, workers: dict, tally, files: Path, out, sp
             continue
         hung = None
         if p.is_alive():
-            idle = jn.age(files / f"w{index}.journal", now)
+            idle = sv.age(files / f"w{index}.journal", now)
             if idle <= opts.call_timeout:
                 continue
             p.kill()

@@ -5,8 +5,8 @@ it builds the target, a mark once the target is built, each operation before it 
 applied, and a mark before the final drain. When the worker dies (a signal, ``os._exit``)
 or stops making progress (a hang), the parent reads the journal back as a trace up to the
 operation that killed it, and judges the death as a find of its own
-(``kvprop.search.supervisor``). The file's modification time is the worker's heartbeat:
-every operation writes a line.
+(``kvprop.search.supervisor``). The file's modification time is the worker's heartbeat
+(``supervisor.age``): every operation writes a line.
 
 Lines are plain text, not JSON, to cost a few microseconds an operation:
 ``run <json header>``, ``built``, ``op <Name> <arg> <arg> ...``, ``drain``.
@@ -15,13 +15,13 @@ Lines are plain text, not JSON, to cost a few microseconds an operation:
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 
-from kvprop.search.alphabet import OPERATION_BY_NAME
-from kvprop.search.trace import Trace, config_from_dict, config_to_dict
+if TYPE_CHECKING:
+    from kvprop.search.trace import Trace
 
 PHASES = ("build", "operation", "drain")
 
@@ -35,6 +35,8 @@ class Journal:
 
     def begin(self, trace: Trace, index: int | None = None) -> None:
         """A new run: ``trace`` without steps says what it runs; ``index`` is the walk's index in its worker."""
+        from kvprop.search.trace import config_to_dict  # imported here: a coverage worker imports the specs later
+
         header = {
             "config": config_to_dict(trace.config),
             "seed": trace.seed,
@@ -80,6 +82,9 @@ class Journalled:
 
 def read(path: Path) -> Journalled | None:
     """The run a journal describes, or None if the worker died before it began one."""
+    from kvprop.search.alphabet import OPERATION_BY_NAME
+    from kvprop.search.trace import Trace, config_from_dict
+
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError):
@@ -96,7 +101,7 @@ def read(path: Path) -> Journalled | None:
         if word == "built":
             phase = "operation" if steps else "built"
         elif word == "op":
-            name, *args = rest.split(" ")
+            name, *args = rest.split()
             cls = OPERATION_BY_NAME[name]
             steps.append(cls(**dict(zip(cls.ARGS, map(int, args), strict=True))))
             phase = "operation"
@@ -114,11 +119,3 @@ def read(path: Path) -> Journalled | None:
         driver=header["driver"],
     )
     return Journalled(trace, phase, header["index"])
-
-
-def age(path: Path, now: float) -> float:
-    """Seconds since the journal was last written (``now`` from ``time.time()``); 0 if it is not there."""
-    try:
-        return max(0.0, now - os.stat(path).st_mtime)
-    except OSError:
-        return 0.0

@@ -30,14 +30,19 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 
 from kvprop.errors import ConfigError, KvpropError, TargetError
 from kvprop.search import CALL_TIMEOUT
-from kvprop.search import journal as jn
-from kvprop.search import trace as tr
-from kvprop.search.trace import Failure, Trace
+
+if TYPE_CHECKING:
+    from kvprop.search.trace import Failure, Trace
+
+# The journal, the trace format and the engine are imported where they are used, not here: a
+# worker of ``kvprop coverage`` starts fresh (spawned) and must not import the allocator it
+# measures before measuring starts.
 
 
 def signal_name(number: int) -> str:
@@ -61,6 +66,9 @@ def judge(journal_path: Path, exitcode: int | None = None, hung: float | None = 
     with ``exitcode``) or ``target-hang`` (no progress for ``hung`` seconds) failure, and the
     run's walk index. A worker that died before it began a run has no journal to read: that is
     a ``TargetError`` (the target cannot even be set up)."""
+    from kvprop.search import journal as jn
+    from kvprop.search.trace import Failure
+
     run = jn.read(journal_path)
     cause = death_cause(exitcode)
     if run is None:
@@ -88,6 +96,15 @@ def judge(journal_path: Path, exitcode: int | None = None, hung: float | None = 
             cause,
         )
     return attrs.evolve(run.trace, failure=failure), run.index
+
+
+def age(path: Path, now: float) -> float:
+    """Seconds since a journal was last written (``now`` from ``time.time()``): its worker's
+    heartbeat; 0 if it is not there yet."""
+    try:
+        return max(0.0, now - os.stat(path).st_mtime)
+    except OSError:
+        return 0.0
 
 
 # ---- a worker's set-up ---------------------------------------------------------------------
@@ -167,7 +184,7 @@ class Executed:
 
 def _serve(conn, target, variant, device, journal_path: Path, log_path: Path, parent: int) -> None:
     """The worker: executes each trace the parent sends until the pipe closes."""
-    from kvprop.search.execute import execute
+    from kvprop.search import journal as jn
 
     enter_worker(log_path, parent)
     journal = jn.Journal(journal_path)
@@ -181,8 +198,14 @@ def _serve(conn, target, variant, device, journal_path: Path, log_path: Path, pa
             restart_log()
             try:
                 if kind == "probe":
-                    conn.send(("ok", _probe(journal, target, variant, device, payload)))
+                    conn.send(("ok", probe_here(journal, target, variant, device, payload)))
                     continue
+                if kind == "call":
+                    conn.send(("ok", _call(conn, journal, payload, options)))
+                    continue
+                from kvprop.search import trace as tr  # here: ``kvprop coverage`` measures what it imports
+                from kvprop.search.execute import execute
+
                 trace = tr.from_dict(payload)
                 lines: list = []
                 events: set = set()
@@ -218,17 +241,28 @@ def _recorder(lines: list):
     return record
 
 
-def _probe(journal, target, variant, device, attempts: int) -> str | None:
+def _call(conn, journal, function, options: dict):
+    """``function(**kwargs, journal=journal)`` for a command that runs wholly in the worker
+    (agree, coverage); with ``progress``, its progress calls go to the parent as they come."""
+    kwargs = dict(options["kwargs"])
+    if options.get("progress"):
+        kwargs["progress"] = lambda *args: conn.send(("progress", args))
+    return function(**kwargs, journal=journal)
+
+
+def probe_here(journal, target, variant, device, attempts: int) -> str | None:
     """Build sampled configurations until one builds: None, or the first refusal if none did."""
     import random
 
     from kvprop.search.alphabet import RandomChooser, sample_config
     from kvprop.search.harness import Harness
+    from kvprop.search.trace import Trace
 
     first = None
     for i in range(attempts):
         config = sample_config(RandomChooser(random.Random(i)))
-        journal.begin(Trace(config=config, steps=(), variant=variant, target=target, seed=i))
+        if journal is not None:
+            journal.begin(Trace(config=config, steps=(), variant=variant, target=target, seed=i))
         try:
             Harness(config, variant=variant, target=target, device=device)
             return None
@@ -237,14 +271,26 @@ def _probe(journal, target, variant, device, attempts: int) -> str | None:
     return first or "no reason given"
 
 
+class Died(Exception):
+    """The target's process died or hung during a ``Supervisor.call``: ``trace`` is the run it
+    was in, its failure the judgement (a find), ``log`` what the target printed."""
+
+    def __init__(self, trace: Trace, log: Path | None):
+        self.trace, self.log = trace, log
+        super().__init__(trace.failure.message)
+
+
 class Supervisor:
     """Executes traces on one target in a worker process, restarted after each death.
 
     Use as a context manager; ``close`` ends the worker and removes its files."""
 
-    def __init__(self, target=None, variant=None, device=None, call_timeout: float = CALL_TIMEOUT):
+    def __init__(
+        self, target=None, variant=None, device=None, call_timeout: float = CALL_TIMEOUT, fresh: bool = False
+    ):
         self.target, self.variant, self.device = target, variant, device
         self.call_timeout = call_timeout
+        self.fresh = fresh  # the worker starts a new interpreter (spawn) instead of a fork of this one
         self.dir = Path(tempfile.mkdtemp(prefix="kvprop-worker-"))
         self.journal_path = self.dir / "journal"
         self.log_path = self.dir / "target.log"
@@ -259,7 +305,7 @@ class Supervisor:
         self.close()
 
     def _start(self) -> None:
-        ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+        ctx = mp.get_context("fork" if sys.platform.startswith("linux") and not self.fresh else "spawn")
         ours, theirs = ctx.Pipe()
         self.journal_path.unlink(missing_ok=True)
         self.log_path.unlink(missing_ok=True)
@@ -283,8 +329,9 @@ class Supervisor:
             self.proc = None
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def _ask(self, request):
-        """The worker's answer to ``request``, or ``("died", trace)`` after judging its death."""
+    def _ask(self, request, on_progress=None):
+        """The worker's answer to ``request``, or ``("died", trace)`` after judging its death;
+        ``on_progress`` gets the arguments of each progress message before the answer."""
         if self.proc is None or not self.proc.is_alive():
             self._start()
         self.conn.send(request)
@@ -292,9 +339,15 @@ class Supervisor:
         while True:
             if self.conn.poll(0.05):
                 try:
-                    return self.conn.recv()
+                    answer = self.conn.recv()
                 except EOFError:
-                    pass  # it died while answering: judged below
+                    answer = None  # it died while answering: judged below
+                if answer is not None and answer[0] == "progress":
+                    if on_progress is not None:
+                        on_progress(*answer[1])
+                    continue
+                if answer is not None:
+                    return answer
             if not self.proc.is_alive():
                 if self.conn.poll(0):
                     with contextlib.suppress(EOFError):
@@ -302,7 +355,7 @@ class Supervisor:
                 self.proc.join()
                 return self._died(exitcode=self.proc.exitcode)
             now = time.time()
-            idle = min(now - started, jn.age(self.journal_path, now) if self.journal_path.exists() else now)
+            idle = min(now - started, age(self.journal_path, now) if self.journal_path.exists() else now)
             if idle > self.call_timeout:
                 self.proc.kill()
                 self.proc.join()
@@ -328,6 +381,9 @@ class Supervisor:
     def execute(self, trace: Trace, *, lines: bool = False, checks: bool = True) -> Executed:
         """``trace`` run in the worker; a death is judged into the failure (its ``exception``
         names the signal or exit status) and the trace's steps up to it."""
+        from kvprop.search import trace as tr
+        from kvprop.search.trace import Failure
+
         sent = tr.to_dict(attrs.evolve(trace, failure=None))  # a candidate may have lost the recorded failure's step
         answer = self._ask(("execute", sent, {"lines": lines, "checks": checks}))
         if answer[0] == "died":
@@ -340,6 +396,17 @@ class Supervisor:
             return Executed(found.failure, shown, frozenset(), self.log_path if self.log_path.exists() else None)
         failure, shown, events = self._answer(answer)
         return Executed(Failure(**failure) if failure else None, shown, events)
+
+    def call(self, function, kwargs: dict, progress=None):
+        """``function(**kwargs, journal=...)`` run in the worker: a kvprop function that runs
+        target code from start to end (``kvprop agree``, ``kvprop coverage``). Its result, or
+        the trace of the run the target died or hung in (a ``Died``)."""
+        answer = self._ask(
+            ("call", function, {"kwargs": kwargs, "progress": progress is not None}), on_progress=progress
+        )
+        if answer[0] == "died":
+            raise Died(answer[1], self.log_path if self.log_path.exists() else None)
+        return self._answer(answer)
 
     def probe(self, attempts: int = 64) -> Trace | None:
         """Before a search: a target that builds none of ``attempts`` sampled configurations

@@ -1,0 +1,1 @@
+"""Example targets: allocators written outside kvprop and tested through its target contract (docs/targets.md)."""
