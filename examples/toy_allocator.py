@@ -1,8 +1,6 @@
-"""A user's own KV-cache allocator, tested by kvprop as a target (docs/targets.md), written from
-the contract alone: one full-attention group, a pool whose block 0 is the null block, reference
-counts, a prefix cache of whole blocks, an LRU free queue. Every other shape is refused with a
-``ConfigError``, which kvprop counts. ``make_broken_target`` plants a bug for kvprop to find.
-"""
+"""A user's own KV-cache allocator for kvprop to test (docs/targets.md), written from the contract alone:
+one full-attention group, block 0 the null block, reference counts, a prefix cache of whole blocks, an LRU
+free queue; any other shape is a ConfigError, which kvprop counts. ``make_broken_target`` plants a bug."""
 
 from collections import OrderedDict
 from itertools import islice
@@ -52,22 +50,19 @@ class ToyAllocator:
         num_external_computed_tokens=0,
         delay_cache_blocks=False,
     ):
-        """Slots for the hits, external (connector) tokens, new tokens and lookahead, or None if
-        the pool is short. The count comes first, so a refusal changes nothing."""
-        rid = request.request_id
+        """Slots for hits, external, new and lookahead tokens; None if the pool is short, changing nothing."""
         hits = list(new_computed_blocks[0]) if new_computed_blocks is not None else []
         computed = request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
         wanted = -(-(computed + num_new_tokens + num_lookahead_tokens) // self.block_size)  # ceil
-        table = self.tables.get(rid)
-        # a hit someone holds costs nothing; a hit in the free queue is taken from it
-        held = table if table is not None else [block for block in hits if block.ref_cnt > 0]
+        table = self.tables.get(request.request_id)
+        held = table if table is not None else [block for block in hits if block.ref_cnt > 0]  # take no free block
         if wanted - len(held) > len(self.free_queue):
             return None
         if table is None:  # admission: the hits head its table, counted as cached already
             for block in hits:
                 self._take(block)
-            table = self.tables[rid] = hits
-            self.num_cached[rid] = len(hits)
+            table = self.tables[request.request_id] = hits
+            self.num_cached[request.request_id] = len(hits)
         new = [self._pop_free() for _ in range(wanted - len(table))]
         table.extend(new)
         if not delay_cache_blocks:  # delayed for a connector's load: cached once it has landed
@@ -96,12 +91,11 @@ class ToyAllocator:
         """Cache the blocks ``num_computed_tokens`` fill, past those cached already."""
         if not self.caching:
             return
-        rid, full = request.request_id, num_computed_tokens // self.block_size
-        table = self.tables[rid]
-        for i in range(self.num_cached[rid], full):
-            table[i].key = request.block_hashes[i]
-            self.cache.setdefault(table[i].key, {})[table[i].block_id] = table[i]
-        self.num_cached[rid] = max(self.num_cached[rid], full)
+        start, full = self.num_cached[request.request_id], num_computed_tokens // self.block_size
+        for i, block in enumerate(self.tables[request.request_id][start:full], start):
+            block.key = request.block_hashes[i]
+            self.cache.setdefault(block.key, {})[block.block_id] = block
+        self.num_cached[request.request_id] = max(start, full)
 
     def free(self, request) -> None:
         table = self.tables.pop(request.request_id)
@@ -128,8 +122,7 @@ class ToyAllocator:
 
 
 class ToyView:
-    """What kvprop's invariants read (docs/targets.md, "The view"), read-only. A key is told in
-    kvprop's terms: the allocator's own, a bare block hash, becomes (block hash, group 0)."""
+    """What kvprop's invariants read, read-only; a key in kvprop's terms: (block hash, group 0)."""
 
     num_groups, null_block_id = 1, 0
 
@@ -178,13 +171,12 @@ class ToyView:
 
 def make_target(config: AllocatorConfig, allocator_class=ToyAllocator):
     """Refuses each field of ``config`` it does not serve, by name. Served: num_blocks, enable_caching,
-    retention 0 or None (nothing to thin with full attention alone), log_stats and kv_cache_metrics
-    (observers); report mode "full" needs events. Lookahead, drafts and a connector are not in
-    ``config``: they reach allocate_slots as token counts, which it serves."""
-    kinds = sorted({type(spec).__name__ for spec in config.groups})
+    retention 0 or None (nothing to thin with full attention alone), log_stats, kv_cache_metrics
+    (observers). Lookahead, drafts and a connector reach allocate_slots as token counts, served."""
+    kind = type(config.groups[0]).__name__
     for refused, why in (
         (len(config.groups) != 1, f"one KV cache group only, got {len(config.groups)}"),
-        (kinds != ["FullAttention"], f"FullAttention only, got {kinds}"),
+        (not isinstance(config.groups[0], FullAttention), f"FullAttention only, got {kind}"),
         (config.enable_kv_cache_events, "no KV cache events (enable_kv_cache_events=True)"),
         (config.eagle, "no EAGLE drop (eagle=True)"),
         (config.unit != config.block_size, f"hits on whole blocks only, got hash_unit={config.hash_unit}"),

@@ -100,6 +100,32 @@ def throughput(quick: bool) -> list[dict]:
     return rows
 
 
+def supervision(quick: bool) -> list[dict]:
+    """The same walks (seeds of run seed 0, worker 0) run in this process and in a supervised
+    worker (``kvprop.search.supervisor``: the journal of each operation, the target's output to
+    a log, the parent watching), checks on: what running target code apart costs."""
+    from kvprop.search.walk import walk_seed
+
+    runs = 60 if quick else 300
+    _progress(f"supervision: {runs} walks in this process")
+    steps, start = 0, time.perf_counter()
+    for i in range(runs):
+        steps += run_walk(walk_seed(0, 0, i)).steps_run
+    in_process = time.perf_counter() - start
+    _progress(f"supervision: the same {runs} walks in a supervised worker")
+    start = time.perf_counter()
+    result = fuzz.search(fuzz.FuzzOptions(seconds=3600, workers=1, seed=0, max_runs=runs))
+    supervised = time.perf_counter() - start
+    rows = [
+        {"where": "this process", "walks": runs, "steps": steps, "seconds": round(in_process, 2)},
+        {"where": "supervised worker", "walks": result.runs, "steps": result.steps, "seconds": round(supervised, 2)},
+    ]
+    for row in rows:
+        row["steps_per_s"] = round(row["steps"] / row["seconds"]) if row["seconds"] else None
+        row["vs_this_process"] = round(row["steps_per_s"] / rows[0]["steps_per_s"], 3)
+    return rows
+
+
 # The scaling rows' model shapes: groups and connector (a state group takes no synchronous one).
 SHAPES = {
     "fa+swa": ((FullAttention(4), SlidingWindow(4, 16)), {"connector": "sync"}),
@@ -378,12 +404,18 @@ def with_baseline(rows: list[dict], baseline: dict) -> list[dict]:
     ]
 
 
-PARTS = ("throughput", "scaling", "time_to_find", "vllm", "targets")
+PARTS = ("throughput", "supervision", "scaling", "time_to_find", "vllm", "targets")
 DEFAULT_PARTS = tuple(part for part in PARTS if part != "vllm")  # vllm needs a vLLM environment
 
 
 def main(quick: bool = False, as_json: bool = False, parts=DEFAULT_PARTS, baseline: str | None = None) -> int:
-    funcs = {"throughput": throughput, "scaling": scaling, "time_to_find": time_to_find, "vllm": vllm}
+    funcs = {
+        "throughput": throughput,
+        "supervision": supervision,
+        "scaling": scaling,
+        "time_to_find": time_to_find,
+        "vllm": vllm,
+    }
     before = load_baseline(baseline) if baseline is not None else None
     if before is not None and "targets" not in parts:
         raise ConfigError("--baseline adds a column to the targets table: name the targets part too")

@@ -283,8 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="*",
         type=_bench_part,
         metavar="PART",
-        help="which tables: throughput, scaling, time_to_find, vllm (run from a vLLM environment), targets "
-        "(the speed issue's rows); default: all but vllm",
+        help="which tables: throughput, supervision (the same walks in this process and in a supervised "
+        "worker), scaling, time_to_find, vllm (run from a vLLM environment), targets; default: all but vllm",
         default=None,
     )
     return p

@@ -314,6 +314,8 @@ def _search(opts: FuzzOptions, status, on_find, start: float, store, seen: int, 
                 break
             if tally.found and (opts.driver != "walk" or shared):
                 break
+            if len(tally.exited) == len(workers):
+                break  # every worker said it ends: nothing more will come
             if not any(p.is_alive() for p in workers.values()) and out.empty() and not _unjudged(workers, tally):
                 break
             try:
