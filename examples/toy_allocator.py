@@ -1,12 +1,13 @@
-"""A user's own KV-cache allocator for kvprop to test (docs/targets.md), written from the contract alone:
-one full-attention group, block 0 the null block, reference counts, a prefix cache of whole blocks, an LRU
-free queue; any other shape is a ConfigError, which kvprop counts. ``make_broken_target`` plants a bug."""
+"""A user's own KV-cache allocator for kvprop to test (docs/targets.md), written from the contract alone: one
+full-attention group, block 0 null, reference counts, a prefix cache of whole blocks, an LRU free queue. ``TARGET``
+declares the shapes it builds (kvprop draws only those); ``BROKEN_TARGET`` plants a bug."""
 
 from collections import OrderedDict
 from itertools import islice
 
 from kvprop.allocator.specs import AllocatorConfig, FullAttention
 from kvprop.errors import ConfigError
+from kvprop.targets.protocol import Capabilities, Shapes, Target
 
 
 class Block:
@@ -40,20 +41,12 @@ class ToyAllocator:
                 hits.append(next(iter(holders.values())))
         return (hits,), len(hits) * self.block_size
 
-    def allocate_slots(
-        self,
-        request,
-        num_new_tokens,
-        num_new_computed_tokens=0,
-        new_computed_blocks=None,
-        num_lookahead_tokens=0,
-        num_external_computed_tokens=0,
-        delay_cache_blocks=False,
-    ):
-        """Slots for hits, external, new and lookahead tokens; None if the pool is short, changing nothing."""
+    def allocate_slots(self, request, num_new_tokens, new_computed_blocks=None, **counts):
+        """Slots for hits and the ``counts`` the engine names; None if the pool is short, changing nothing."""
         hits = list(new_computed_blocks[0]) if new_computed_blocks is not None else []
-        computed = request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
-        wanted = -(-(computed + num_new_tokens + num_lookahead_tokens) // self.block_size)  # ceil
+        extra = counts.get("num_new_computed_tokens", 0) + counts.get("num_external_computed_tokens", 0)
+        computed = request.num_computed_tokens + extra
+        wanted = -(-(computed + num_new_tokens + counts.get("num_lookahead_tokens", 0)) // self.block_size)  # ceil
         table = self.tables.get(request.request_id)
         held = table if table is not None else [block for block in hits if block.ref_cnt > 0]  # take no free block
         if wanted - len(held) > len(self.free_queue):
@@ -65,12 +58,11 @@ class ToyAllocator:
             self.num_cached[request.request_id] = len(hits)
         new = [self._pop_free() for _ in range(wanted - len(table))]
         table.extend(new)
-        if not delay_cache_blocks:  # delayed for a connector's load: cached once it has landed
+        if not counts.get("delay_cache_blocks"):  # delayed for a connector's load: cached once it has landed
             self.cache_blocks(request, min(computed + num_new_tokens, request.num_tokens))
         return new
 
-    def _take(self, block: Block) -> None:
-        """One more reference on a hit; a free one leaves the queue, so nobody else can get it."""
+    def _take(self, block: Block) -> None:  # a free hit leaves the queue, so nobody else can get it
         if block.ref_cnt == 0:
             del self.free_queue[block.block_id]
         block.ref_cnt += 1
@@ -108,8 +100,7 @@ class ToyAllocator:
             if block.ref_cnt == 0 and block.key is None:
                 self.free_queue.move_to_end(block.block_id, last=False)
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every prefix; refused while any request holds a block."""
+    def reset_prefix_cache(self) -> bool:  # refused while any request holds a block
         if len(self.free_queue) != len(self.blocks) - 1:
             return False
         for block in self.blocks:
@@ -170,9 +161,8 @@ class ToyView:
 
 
 def make_target(config: AllocatorConfig, allocator_class=ToyAllocator):
-    """Refuses each field of ``config`` it does not serve, by name. Served: num_blocks, enable_caching,
-    retention 0 or None (nothing to thin with full attention alone), log_stats, kv_cache_metrics
-    (observers). Lookahead, drafts and a connector reach allocate_slots as token counts, served."""
+    """Refuses each field of ``config`` it does not serve, by name (lookahead, drafts and a connector
+    reach allocate_slots as token counts, served)."""
     kind = type(config.groups[0]).__name__
     for refused, why in (
         (len(config.groups) != 1, f"one KV cache group only, got {len(config.groups)}"),
@@ -198,3 +188,12 @@ class BrokenToyAllocator(ToyAllocator):
 
 def make_broken_target(config: AllocatorConfig):
     return make_target(config, BrokenToyAllocator)
+
+
+ONE_FULL_GROUP = Shapes(
+    frozenset({"full"}), 1, kv_events=False, full_report=False, eagle=False, hits_inside_blocks=False, retention=False
+)
+TARGET = Target("toy", make_target, "a toy allocator", Capabilities(evictions=True), ONE_FULL_GROUP)
+BROKEN_TARGET = Target(
+    "toy-broken", make_broken_target, "the toy, broken", Capabilities(evictions=True), ONE_FULL_GROUP
+)

@@ -208,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     command("variants", c.cmd_variants, "list the bug variants of kvprop's allocator ('correct' has none)")
 
+    t = command("targets", c.cmd_targets, "list the registered targets, what each declares and the release it drives")
+    t.add_argument("--json", action="store_true", help="print the list as JSON")
+
     cov = command("coverage", c.cmd_coverage, "statement and branch coverage of the target's allocator by walks")
     cov.add_argument("--seconds", type=seconds, default=60.0, help="time budget of the walks")
     cov.add_argument("--seed", type=seed, default=0, help="run seed; each walk's seed is a hash of it")

@@ -599,6 +599,43 @@ def cmd_agree(args) -> int:
     return EXIT_CLEAN if d is None else EXIT_FOUND
 
 
+def cmd_targets(args) -> int:
+    """The registered targets with what each declares; nothing is imported, versions come from
+    package metadata."""
+    import attrs
+
+    from kvprop.targets.protocol import REGISTRY, version
+
+    rows = []
+    for t in REGISTRY.values():
+        shapes = attrs.asdict(t.shapes)
+        shapes["group_kinds"] = sorted(shapes["group_kinds"])
+        rows.append(
+            {
+                "name": t.name,
+                "summary": t.summary,
+                "factory": t.factory,
+                "own_scheduler": t.own_scheduler,
+                "package": t.package,
+                "version": version(t),
+                "capabilities": list(t.capabilities.declared()) if t.capabilities else None,
+                "shapes": shapes,
+                "limits": t.shapes.limits(),
+            }
+        )
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return EXIT_CLEAN
+    for r in rows:
+        installed = f"{r['package']} {r['version'] or 'not installed'}"
+        print(f"{r['name']:15s} {r['summary']} ({installed})")
+        print(f"{'':15s} declares: {', '.join(r['capabilities']) or 'nothing beyond the required calls'}")
+        print(f"{'':15s} draws: {'; '.join(r['limits']) or 'every shape'}")
+    print("\npackage.module:factory  a user's allocator: its factory returns Built(allocator, view, capabilities);")
+    print("package.module:TARGET   or a Target declaration (capabilities and shapes): docs/targets.md")
+    return EXIT_CLEAN
+
+
 def cmd_bench(args) -> int:
     from kvprop import bench
 

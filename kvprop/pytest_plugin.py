@@ -180,11 +180,12 @@ def _probe(target: str, variant: str | None) -> None:
 
     from kvprop.errors import ConfigError, TargetError
     from kvprop.search.alphabet import RandomChooser, sample_config
-    from kvprop.targets import build_engine
+    from kvprop.targets import build_engine, shapes_of
 
     first_refusal = None
+    shapes = shapes_of(target) if target not in (None, "kvprop") else None
     for seed in range(PROBE_SEEDS):
-        config = sample_config(RandomChooser(random.Random(seed)))
+        config = sample_config(RandomChooser(random.Random(seed)), *(() if shapes is None else (shapes,)))
         try:
             build_engine(config, variant=variant, target=None if target == "kvprop" else target)
         except ConfigError as e:
@@ -230,6 +231,10 @@ def _search(item: KvpropItem, target: str, variant: str | None, machine_settings
 
 def _report(item: KvpropItem, found, target: str, variant: str | None, profile: str, examples: int) -> None:
     """Write the failing trace (minimised unless told not to) and fail with where it is and how to replay it."""
+    import shlex
+
+    from kvprop.targets import is_builtin
+
     failure = found.failure
     head = (
         f"target {target!r}{f' (variant {variant})' if variant else ''} failed {failure.kind} "
@@ -263,7 +268,12 @@ def _report(item: KvpropItem, found, target: str, variant: str | None, profile: 
     lines.append(f"trace: {shown}")
     if best is not found:
         lines.append(f"as found: {_show(found_path, config)}")
-    lines += [f"replay: kvprop replay {shown}", f"regression test: kvprop emit-test {shown}"]
+    # a trace never chooses code: a target outside kvprop is named on the command line
+    named = "" if is_builtin(best.target) else f" --target {shlex.quote(best.target)}"
+    lines += [
+        f"replay: kvprop replay {shlex.quote(shown)}{named}",
+        f"regression test: kvprop emit-test {shlex.quote(shown)}{named}",
+    ]
     _fail("\n".join([head, *lines]))
 
 

@@ -68,7 +68,7 @@ def test_a_key_cached_without_an_event_diverges():
         EventLedger().compare(AllocatorView(mgr))
 
 
-def test_a_target_without_take_events_cannot_run_with_events_on():
+def test_a_target_that_does_not_declare_kv_events_cannot_run_with_events_on():
     config = EngineConfig(AllocatorConfig((FULL,), 4, enable_kv_cache_events=True))
-    with pytest.raises(ConfigError, match="has no take_events"):
+    with pytest.raises(ConfigError, match="does not declare kv_events"):
         build_engine(config, target="tests.example_target:make_target_without_events")

@@ -110,7 +110,9 @@ def test_buggy_target_fails_with_the_violation_and_a_replayable_trace(project):
     assert f"kvprop: target {BUGGY!r} failed cache-map-stale (Hypothesis, profile ci" in run.stdout
     assert "Traceback" not in run.stdout and "During handling" not in run.stdout
     replay = next(line for line in run.stdout.splitlines() if line.startswith("replay: kvprop replay "))
-    path = project / replay.removeprefix("replay: kvprop replay ")
+    shown, named = replay.removeprefix("replay: kvprop replay ").split(" --target ")
+    assert named == BUGGY  # a trace never chooses code: the replay line names the target
+    path = project / shown
     assert path.parent == project / "found" and path.suffix == ".json"
     assert len(list(path.parent.glob("*.found.json"))) == 1  # the trace as found, beside the minimised one
     trace = tr.load(path)

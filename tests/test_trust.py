@@ -579,8 +579,8 @@ def test_device_tpu_exits_2(ran):
         ("target-raises-on-import", "RuntimeError: boom at import"),
         ("target-syntax-error", "SyntaxError"),
         ("target-not-callable", "not a callable"),
-        ("target-bare-allocator", "must return (allocator, view)"),
-        ("target-allocator-and-none", "must return (allocator, view)"),
+        ("target-bare-allocator", "must return Built(allocator, view, capabilities) or (allocator, view)"),
+        ("target-allocator-and-none", "the view (NoneType) lacks"),
     ],
 )
 def test_unusable_target_exits_2_with_a_message_and_no_traceback(ran, name, message):

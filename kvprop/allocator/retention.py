@@ -27,7 +27,7 @@ def resume_boundaries(request, eagle: bool = False) -> tuple[int, ...]:
     prompt's last token (``replay_boundaries`` in vLLM's coordinator) and, when the lookup
     that admitted it found one, the shared-prefix junction. With the EAGLE drop: a block below
     where a resend and a longer sibling look up to, and the block before the junction too."""
-    junction = getattr(request, "shared_prefix_boundary", 0)
+    junction = request.shared_prefix_boundary
     prompt = request.num_prompt_tokens
     if not eagle:
         return (prompt - 1, junction) if junction > 0 else (prompt - 1,)

@@ -49,7 +49,7 @@ class Checker(Hooks):
         return max(self.full_every, engine.view.num_blocks // 4) if self.full_every > 1 else 1
 
     def incremental(self, engine) -> bool:
-        return self.full_every > 1 and hasattr(engine.view, "take_changes")
+        return self.full_every > 1 and engine.capabilities.change_log
 
     # ---- in-step hooks ----------------------------------------------------------------
 
@@ -246,7 +246,7 @@ class Checker(Hooks):
             tables, keys = self._sweep_structure(engine, pending, admitted_now)
             return tables, keys, None
         if self.mirror is None:
-            self.mirror = Mirror(view)
+            self.mirror = Mirror(view, engine.capabilities)
         changed = view.take_changes() | self.pending_changes
         changed.add(view.null_block_id)  # the null block's own state, at every check
         self.pending_changes = set()
@@ -290,7 +290,7 @@ class Checker(Hooks):
         if events is None:
             return
         named = self.ledger.apply(events)
-        if incremental and hasattr(engine.view, "cache_count"):
+        if incremental and engine.capabilities.change_log:
             self.ledger.compare_keys(engine.view, named | moved)
         else:
             self.ledger.compare(engine.view)
@@ -322,7 +322,7 @@ class Checker(Hooks):
         inv.check_data(engine, view, tables, keys, self.expected_rows)
         self.check_events(engine)
         if self.incremental(engine):
-            self.mirror = Mirror(view)
+            self.mirror = Mirror(view, engine.capabilities)
             self.signatures.clear()
             self.pending_changes = set()
             self.judged_in_step = set()

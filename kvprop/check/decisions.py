@@ -193,7 +193,7 @@ def longest_hit(engine, request) -> int:
     if not engine.config.allocator.enable_caching:
         return 0
     view = engine.view
-    has_key = getattr(view, "has_cache_key", None)  # O(1) where the view offers it
+    has_key = view.has_cache_key if engine.capabilities.key_lookup else None  # O(1) where the view offers it
     cached = _KeySet(has_key) if has_key is not None else {key for key, _ in view.cache_map_items()}
     length = request.num_tokens - 1
     allocator = engine.config.allocator

@@ -27,17 +27,17 @@ def gather_tables(view) -> dict[tuple[str, int], list[int]]:
 
 
 # ---- what a view may report beyond its required calls (docs/targets.md) ------------------
+# Every view kvprop holds answers these: a view that does not declare them is completed with
+# empty reports when its target is built (kvprop.targets.protocol.complete_view).
 
 
 def extra_keys(view) -> dict:
     """Block id -> its keys beyond ``cache_key`` (hits inside a block); {} for a view without them."""
-    report = getattr(view, "extra_keys", None)
-    return report() if report is not None else {}
+    return view.extra_keys()
 
 
 def further_keys(view, block_id: int) -> list:
-    report = getattr(view, "further_keys", None)
-    return report(block_id) if report is not None else []
+    return view.further_keys(block_id)
 
 
 def keys_of(view, block_id: int) -> tuple:
@@ -48,8 +48,7 @@ def keys_of(view, block_id: int) -> tuple:
 
 def pending_copies(view) -> list:
     """(source id, copy id) of the block copies a view reports queued; none for a view without copies."""
-    report = getattr(view, "pending_copies", None)
-    return report() if report is not None else []
+    return view.pending_copies()
 
 
 NO_COPIES: dict = {}  # read-only: what pending_copy_refs returns while no copy is queued
@@ -326,7 +325,7 @@ def check_tables(
                 groups=[g],
             )
     specs = engine.specs
-    scratch = [getattr(spec, "speculative_blocks", 0) for spec in specs]  # a state group's scratch columns
+    scratch = [spec.speculative_blocks if isinstance(spec, Mamba) else 0 for spec in specs]  # a state group's scratch
     for rid in requests if only is None else only:
         if not admitted(rid):
             continue
@@ -444,7 +443,7 @@ def checkpoint_column_key(spec, request, index: int, group: int, key) -> bool:
     (kvprop.allocator.checkpoint): counted as cached like its neighbours, the column holds the
     state at a unit boundary in the next block and is keyed there, or, a checkpoint no later
     request resumes at, has no key (vLLM 0.33.0's ``_cache_partial_tail_block``)."""
-    if getattr(spec, "checkpoint", None) is None:
+    if not isinstance(spec, Mamba) or spec.checkpoint is None:
         return False
     if key is None:
         return True

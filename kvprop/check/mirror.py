@@ -15,7 +15,7 @@ from kvprop.check import invariants as inv
 
 
 class Mirror:
-    def __init__(self, view):
+    def __init__(self, view, capabilities):
         self.view = view
         n = view.num_blocks
         self.tables: dict[tuple[str, int], list] = {}  # the block objects, compared by identity
@@ -30,8 +30,9 @@ class Mirror:
         # block -> its keys (its own, then those inside it) when the step began, once it moves (the checker's)
         self.first_keys: dict | None = None
         self.further: dict[int, tuple] = {}  # block -> its keys inside it, where it has any
-        self.further_keys = getattr(view, "further_keys", None)  # keys inside a block, for a view that has them
-        self.raw_tables = getattr(view, "raw_tables", None)  # every live table of a group at once
+        # keys inside a block, and every live table of a group at once, where the view declares them
+        self.further_keys = view.further_keys if capabilities.keys_inside_blocks else None
+        self.raw_tables = view.raw_tables if capabilities.raw_tables else None
         view.take_changes()
         self.sync(set(range(n)), check=False)
 

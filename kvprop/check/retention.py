@@ -38,7 +38,7 @@ def retained_indices(spec, interval: int | None, request, num_blocks: int, eagle
     bs, prompt = spec.block_size, request.num_prompt_tokens
     if interval is None:
         return None if need > 0 else frozenset()
-    junction = getattr(request, "shared_prefix_boundary", 0)
+    junction = request.shared_prefix_boundary
     if eagle:  # the hit's end, then the block the lookup read past it
         hits = {max((prompt - 1) // bs - 1, 0), max(prompt // bs - 1, 0)}
         hits |= {junction // bs, junction // bs - 1} if junction > 0 else set()

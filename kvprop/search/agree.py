@@ -43,16 +43,21 @@ class Agreement:
     disagreement: Disagreement | None = None
 
 
-def snapshot(harness: Harness) -> dict:
+def snapshot(harness: Harness, capabilities) -> dict:
+    """What is compared after each operation: the parts ``capabilities`` (the target's
+    declaration) lets both sides report."""
     engine = harness.engine
-    return {
+    parts = {
         "tables": {rid: engine.boundary.get_block_ids(rid) for rid in engine.requests},
         "cache keys": engine.view.cache_keys(),
-        "further keys": extra_keys(engine.view),
         "free blocks": engine.view.num_free_blocks,
-        "evictions": engine.view.num_evictions,  # vLLM reports none: its target counts them
         "events": engine.take_kv_events(),
     }
+    if capabilities.keys_inside_blocks:
+        parts["further keys"] = extra_keys(engine.view)
+    if capabilities.evictions:
+        parts["evictions"] = engine.view.num_evictions  # vLLM reports none: its target counts them
+    return parts
 
 
 def _first_difference(a: dict, b: dict) -> tuple[str, str, str] | None:
@@ -109,7 +114,8 @@ def agree_walk(
             return i + 1, Disagreement(seed, i, repr(op), "outcome", *said)
         if said[0].startswith(CRASHED):
             return i + 1, None  # both crashed alike (a release's known crash, run as its variant)
-        diff = _first_difference(snapshot(reference), snapshot(other))
+        declared = other.engine.capabilities
+        diff = _first_difference(snapshot(reference, declared), snapshot(other, declared))
         if diff is not None:
             return i + 1, Disagreement(seed, i, repr(op), *diff)
     return len(steps), None

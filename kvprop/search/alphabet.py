@@ -24,6 +24,7 @@ from kvprop.allocator.specs import (
     SlidingWindow,
     eagle_problem,
 )
+from kvprop.sim.capabilities import ANY_SHAPE, Shapes
 
 if TYPE_CHECKING:
     from kvprop.search.harness import Harness
@@ -55,12 +56,15 @@ BLOCK_SIZES = (1, 2, 4, 3, 8, 16)
 CONNECTORS = ("off", "sync", "async")
 
 
-def sample_config(choose) -> EngineConfig:
-    """A small allocator shape: small pools and few tokens so prefixes collide and the pool cycles."""
+def sample_config(choose, shapes: Shapes = ANY_SHAPE) -> EngineConfig:
+    """A small allocator shape: small pools and few tokens so prefixes collide and the pool
+    cycles; only ``shapes``, what the target declares it builds. With every shape allowed, the
+    draws are those of a target that declares none."""
     bs = choose.pick(BLOCK_SIZES)
     groups = []
-    for _ in range(choose.integer(1, 3)):
-        kind = choose.pick(("full", "sliding_window", "chunked_local"))
+    kinds = tuple(k for k in ("full", "sliding_window", "chunked_local") if k in shapes.group_kinds) or ("full",)
+    for _ in range(choose.integer(1, shapes.max_groups)):
+        kind = choose.pick(kinds)
         if kind == "full":
             groups.append(FullAttention(bs))
         elif kind == "sliding_window":
@@ -70,32 +74,38 @@ def sample_config(choose) -> EngineConfig:
     num_blocks = choose.integer(max(4, 1 + 3 * len(groups)), choose.pick((16, 32, 64)))
     enable_caching = choose.integer(0, 7) > 0
     token_budget, lookahead, connector = choose.integer(1, 64), choose.integer(0, 2), choose.pick(CONNECTORS)
+    lookahead = lookahead if shapes.lookahead else 0
     # A state-space group in half the shapes without a connector, and in a quarter of those with
     # an asynchronous one and prefix caching (the only way vLLM's offloading connector takes a
     # state group), so the connector's attention-only shapes keep most of their draws.
     with_connector = connector == "async" and enable_caching
     state_group = (connector == "off" or with_connector) and choose.integer(0, 3 if with_connector else 1) == 0
+    state_group = state_group and "mamba" in shapes.group_kinds
     # Drafts in half the shapes, 1 to 4 of them as MTP and EAGLE propose; none with a state
     # group in mode "none", whose speculative columns are not modelled, and fewer than a block.
     speculative = choose.pick((0, 0, 0, 1, 2, 4))
+    if shapes.drafts_within_budget:
+        token_budget = max(token_budget, 1 + speculative)
     if state_group:  # vLLM sizes a state group's scratch columns by the drafts
         speculative = min(speculative, bs - 1) if enable_caching else 0
         groups[-1] = Mamba(bs, "align" if enable_caching else "none", speculative)
-    hash_unit = None
-    if state_group and enable_caching and connector == "off" and bs > 1 and choose.integer(0, 1):
+    hash_unit, inside = None, shapes.hits_inside_blocks
+    if state_group and enable_caching and connector == "off" and bs > 1 and choose.integer(0, 1) and inside:
         # Hits inside a block in half of the shapes that can have them: a hash unit below the
         # block, the other groups full attention (vLLM's partial_hash_hits_enabled).
         groups = [FullAttention(bs)] * max(1, len(groups) - 1) + [groups[-1]]
         hash_unit = choose.pick(tuple(u for u in range(1, bs) if bs % u == 0))
         num_blocks = max(num_blocks, 1 + 3 * len(groups))
     retention, events = _retention(choose, groups, bs), choose.integer(0, 1) == 1
+    retention = retention if shapes.retention else None
+    events = events and shapes.kv_events
     if state_group and enable_caching:
         # Prefill checkpoints in three of four state groups that can save them, as production
         # models have them: alignment 1 as mamba_mixer2 always declares, or a coarser kernel
         # grid as GDN and KDA layers do.
         groups[-1] = attrs.evolve(groups[-1], checkpoint=choose.pick((None, 1, 1, 4)))
     # the full report (hits announced again) in half the shapes with events
-    report = "full" if events and choose.integer(0, 1) else "incremental"
+    report = "full" if events and choose.integer(0, 1) and shapes.full_report else "incremental"
     # vLLM's default for a failed load ends its request, in half the shapes whose loads can fail;
     # the observers of vLLM's manager off or on one time in four (defaults: statistics on, metrics off)
     side = choose.side()
@@ -103,7 +113,7 @@ def sample_config(choose) -> EngineConfig:
     log_stats, metrics = side.integer(0, 3) > 0, side.integer(0, 3) == 0
     # the EAGLE drop in half the shapes with drafts that can have it (vLLM's use_eagle: EAGLE and
     # MTP drafters; its n-gram drafting has none)
-    eagle = bool(speculative) and _eagle_shape(groups, retention) and side.integer(0, 1) == 1
+    eagle = bool(speculative) and _eagle_shape(groups, retention) and side.integer(0, 1) == 1 and shapes.eagle
     return EngineConfig(
         allocator=AllocatorConfig(
             tuple(groups),
@@ -254,7 +264,7 @@ class FinishLoad:
         if not loading:
             return "no load in flight"
         rid = loading[self.index % len(loading)]
-        if not self.ok and not getattr(h.engine, "fails_loads", True):
+        if not self.ok and not h.engine.fails_loads:
             return f"not made: this target cannot recover from a failed load of {rid} (docs/targets.md)"
         h.engine.finish_load(rid, bool(self.ok))
         return f"load of {rid} {'completed' if self.ok else 'failed'}"
@@ -311,10 +321,10 @@ class Preempt:
 
     @staticmethod
     def ready(h: Harness) -> bool:
-        return bool(h.engine.running) and getattr(h.engine, "preempts_on_request", True)
+        return bool(h.engine.running) and h.engine.preempts_on_request
 
     def apply(self, h: Harness) -> str:
-        if not getattr(h.engine, "preempts_on_request", True):
+        if not h.engine.preempts_on_request:
             return "not made: this target's scheduler preempts by its own policy"
         return _on_running(h, self.index, h.engine.preempt, "preempted")
 
@@ -351,7 +361,7 @@ class Finish:
 
     def apply(self, h: Harness) -> str:
         rid = _pick([r.request_id for r in h.engine.running], self.index)
-        why = getattr(h.engine, "why_not_finish", lambda rid: None)(rid) if rid is not None else None
+        why = h.engine.why_not_finish(rid) if rid is not None else None
         if why:
             return f"not made: {why}"
         return _on_running(h, self.index, h.engine.finish, "finished")

@@ -26,7 +26,7 @@ from pathlib import Path
 import attrs
 
 from kvprop import interrupt
-from kvprop.errors import TargetError
+from kvprop.errors import ConfigError, TargetError
 from kvprop.search import CALL_TIMEOUT
 from kvprop.search import journal as jn
 from kvprop.search import supervisor as sv
@@ -231,7 +231,7 @@ def _worker(index, opts, out, stop, limit, parent, first, files):
         worker = _walk_worker if opts.driver == "walk" else _hypothesis_worker
         worker(index, opts, out, stop, limit, parent, first, files)
         out.put(("exit", index))
-    except TargetError as e:
+    except (TargetError, ConfigError) as e:  # the target cannot be used (or a value of it is wrong)
         out.put(("target-error", str(e)))
         out.put(("exit", index))
     except (SystemExit, KeyboardInterrupt) as e:  # escaped target code: the worker ends as it asked

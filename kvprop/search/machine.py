@@ -23,6 +23,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 from kvprop.errors import ConfigError, TargetCrash, Violation
 from kvprop.search import alphabet as ops
 from kvprop.search.harness import Harness
+from kvprop.sim.capabilities import ANY_SHAPE
+from kvprop.targets import shapes_of
 
 
 @functools.cache
@@ -49,9 +51,14 @@ class HypothesisChooser:
         return self
 
 
+RUNNER = st.runner()  # the machine itself
+
+
 @st.composite
 def configs(draw):
-    return ops.sample_config(HypothesisChooser(draw))
+    """A configuration of the shapes the machine's target declares (the runner is the machine
+    itself: drawing it takes nothing from the example's choices)."""
+    return ops.sample_config(HypothesisChooser(draw), type(draw(RUNNER)).shapes)
 
 
 @st.composite
@@ -65,7 +72,6 @@ ARGUMENTS = {
     op_class: tuple((name, st.integers(lo, hi)) for name, (lo, hi) in op_class.ARGS.items())
     for op_class in ops.OPERATIONS
 }
-RUNNER = st.runner()  # the machine itself
 
 
 @st.composite
@@ -88,6 +94,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     failures: list = []
     counters: dict = {"examples": 0, "steps": 0, "refused": Counter()}
     journal = None  # in a supervised worker: each example is written as it runs (kvprop.search.journal)
+    shapes = ANY_SHAPE  # the configurations the target declares it builds
     run_seed: int | None = None  # the Hypothesis seed of the run, for the journal
 
     def __init__(self):
@@ -187,6 +194,7 @@ def machine_for(
             "events_seen": set(),
             "failures": [],
             "counters": {"examples": 0, "steps": 0, "refused": Counter()},
+            "shapes": ANY_SHAPE if target in (None, "kvprop") else shapes_of(target),
         },
     )
 

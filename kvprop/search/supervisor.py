@@ -257,10 +257,12 @@ def probe_here(journal, target, variant, device, attempts: int) -> str | None:
     from kvprop.search.alphabet import RandomChooser, sample_config
     from kvprop.search.harness import Harness
     from kvprop.search.trace import Trace
+    from kvprop.targets import shapes_of
 
     first = None
+    shapes = shapes_of(target) if target not in (None, "kvprop") else None
     for i in range(attempts):
-        config = sample_config(RandomChooser(random.Random(i)))
+        config = sample_config(RandomChooser(random.Random(i)), *(() if shapes is None else (shapes,)))
         if journal is not None:
             journal.begin(Trace(config=config, steps=(), variant=variant, target=target, seed=i))
         try:

@@ -21,6 +21,8 @@ from kvprop.search.alphabet import RandomChooser, ready_operations, sample_confi
 from kvprop.search.execute import run
 from kvprop.search.harness import Harness
 from kvprop.search.trace import Failure, Trace
+from kvprop.sim.capabilities import ANY_SHAPE, Shapes
+from kvprop.targets import shapes_of
 
 
 @attrs.frozen
@@ -33,10 +35,11 @@ class WalkStart:
     length: int
 
 
-def start(seed: int, max_ops: int = 200, num_blocks: int | None = None) -> WalkStart:
-    """``num_blocks``: the pool fixed at that size instead of the sampled one (benchmarks)."""
+def start(seed: int, max_ops: int = 200, num_blocks: int | None = None, shapes: Shapes = ANY_SHAPE) -> WalkStart:
+    """``num_blocks``: the pool fixed at that size instead of the sampled one (benchmarks);
+    ``shapes``: the configurations the target declares it builds."""
     rng = random.Random(seed)
-    config = sample_config(RandomChooser(rng))
+    config = sample_config(RandomChooser(rng), shapes)
     weights = sample_weights(RandomChooser(rng))
     if num_blocks is not None:
         config = attrs.evolve(config, allocator=attrs.evolve(config.allocator, num_blocks=num_blocks))
@@ -99,7 +102,7 @@ def run_walk(
     (``ConfigError`` from its factory) is refused: zero steps, no failure, and the reason is
     reported (never a silent skip). ``journal`` (in a supervised worker) records the walk as it
     goes, with ``index``, its place in the worker's walks."""
-    begun = start(seed, max_ops, num_blocks)
+    begun = start(seed, max_ops, num_blocks, ANY_SHAPE if target in (None, "kvprop") else shapes_of(target))
     if journal is not None:
         header = Trace(config=begun.config, steps=(), seed=seed, driver="walk", variant=variant, target=target)
         journal.begin(header, index)

@@ -19,6 +19,7 @@ from kvprop.allocator.hashing import fingerprint, state_fingerprint
 from kvprop.allocator.specs import EngineConfig, Mamba, cdiv
 from kvprop.errors import RequestError, TargetCrash
 from kvprop.sim.boundary import Boundary
+from kvprop.sim.capabilities import EVERY, Capabilities
 from kvprop.sim.connector import Connector
 from kvprop.sim.memory import PagedMemory
 from kvprop.sim.request import Request, Status
@@ -102,10 +103,23 @@ class Engine:
     # Whether a final chunk saving the prefill's checkpoint may run past the next block boundary
     # when it starts inside a block (vLLM 0.33.0's scheduler; ``_chunk``). kvprop's never does.
     checkpoint_skips_block_stop = False
+    # What an engine whose own scheduler is in charge may not do, as the drivers ask it
+    # (kvprop.targets.vllm_scheduler says why for vLLM's): preempt when asked, fail a load.
+    preempts_on_request = True
+    fails_loads = True
 
-    def __init__(self, config: EngineConfig, allocator, view, device: str | None = None, hooks: Hooks | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        allocator,
+        view,
+        device: str | None = None,
+        hooks: Hooks | None = None,
+        capabilities: Capabilities = EVERY,
+    ):
         self.config = config
         self.allocator = allocator
+        self.capabilities = capabilities  # what the target declares (kvprop.targets.protocol); kvprop's own: every one
         self.boundary = Boundary(allocator)
         self.view = view
         self.specs = config.allocator.groups
@@ -123,8 +137,8 @@ class Engine:
         self.caches_after_output = config.allocator.enable_caching and (
             config.speculative_tokens > 0 or bool(self.state_groups)
         )
-        self.tells_steps = hasattr(allocator, "new_step_starts")  # an optional facade call (docs/targets.md)
-        self.copies_blocks = hasattr(allocator, "take_kv_cache_block_copies")  # optional too
+        self.tells_steps = capabilities.step_notice
+        self.copies_blocks = capabilities.block_copies
         # blocks a request's copies of shared blocks may take beyond its tables (max_blocks_needed)
         self.copy_reserve = len(self.specs) if config.allocator.partial_hits else 0
         self.block_size = config.allocator.block_size
@@ -161,7 +175,7 @@ class Engine:
         copy each group takes of a shared block (on admission after such a hit, or, in a state
         group, after keying its own running block). Without that copy in the pool a preempted
         request whose hit ends inside a block could never be admitted again."""
-        scratch = sum(getattr(spec, "speculative_blocks", 0) for spec in self.specs)
+        scratch = sum(spec.speculative_blocks for spec in self.specs if isinstance(spec, Mamba))
         return len(self.specs) * cdiv(num_tokens + self.config.lookahead, self.block_size) + scratch + self.copy_reserve
 
     def add_request(self, prompt, max_new_tokens: int) -> Request:
@@ -309,7 +323,7 @@ class Engine:
         """Make one malformed call of ``MISUSES`` the way a buggy scheduler would, if the target's
         ``caller_contract`` says what it does with it; the hooks judge the outcome. The engine's
         own records are left as they were: the call is the caller's mistake, not a step."""
-        contract = getattr(self.allocator, "caller_contract", {}).get(call)
+        contract = self.allocator.caller_contract.get(call) if self.capabilities.caller_contract else None
         if contract is None:
             return f"{call}: not in the target's caller contract, not made"
         target = self._misuse_target(call, index)
@@ -385,9 +399,13 @@ class Engine:
         self.hooks.after_allocation(self, request, token, result, computed)
         return result
 
+    def why_not_finish(self, request_id: str) -> str | None:
+        """Why ``Finish`` is not made for ``request_id`` now, or None: kvprop's scheduler finishes any request."""
+        return None
+
     def step(self) -> StepReport:
         report = StepReport()
-        evictions = getattr(self.view, "num_evictions", 0)
+        evictions = self.view.num_evictions if self.capabilities.evictions else 0
         if self.tells_steps:
             self.boundary.new_step_starts()
         self.hooks.step_starts(self)
@@ -415,7 +433,7 @@ class Engine:
         if self.copies_blocks:
             report.copies = self.boundary.take_kv_cache_block_copies()
         self._execute(report)
-        if getattr(self.view, "num_evictions", 0) > evictions:
+        if self.capabilities.evictions and self.view.num_evictions > evictions:
             self.events[EV_EVICT] += 1
         return report
 

@@ -40,6 +40,7 @@ from kvprop.allocator.specs import (
     SlidingWindow,
 )
 from kvprop.errors import ConfigError
+from kvprop.targets.protocol import VLLM_CAPABILITIES, Built
 
 INSTALL_HINT = (
     "build a CPU-only vLLM environment with `make vllm-env VLLM_VERSION=0.24.0` "
@@ -126,10 +127,13 @@ def _quiet_vllm_loggers(level: str) -> None:
             child.setLevel(level)
 
 
-def make_target(config: AllocatorConfig):
+CAPABILITIES = VLLM_CAPABILITIES  # as registered (kvprop.targets.protocol)
+
+
+def make_target(config: AllocatorConfig) -> Built:
     """The target factory: vLLM's allocator for ``config`` and the view the invariants read."""
     allocator = VllmAllocator(config)
-    return allocator, VllmView(allocator)
+    return Built(allocator, VllmView(allocator), CAPABILITIES)
 
 
 # ---- configuration --------------------------------------------------------------------

@@ -42,14 +42,14 @@ from kvprop.sim.engine import (
     StepReport,
 )
 from kvprop.sim.request import Status
-from kvprop.targets.vllm import Hits, VllmAllocator, VllmView
+from kvprop.targets.vllm import CAPABILITIES, Hits, VllmAllocator, VllmView
 from kvprop.targets.vllm_offload import OffloadWorker
 from kvprop.targets.vllm_setup import build_scheduler, import_scheduler, refusal
 
 
 def build_engine(config: EngineConfig, device=None, hooks=None, canary: bool = False):
-    """The target's entry point (``kvprop.targets.BUILTIN``): it builds the whole engine, which
-    ``engine_target`` tells ``kvprop.targets.build_engine``."""
+    """The target's entry point: it builds the whole engine, as its registry entry declares
+    (``own_scheduler``, ``kvprop.targets.protocol``)."""
     import_scheduler()  # without vLLM every configuration is refused for that reason, with the way out
     why = refusal(config)
     if why:
@@ -58,9 +58,6 @@ def build_engine(config: EngineConfig, device=None, hooks=None, canary: bool = F
 
     cls = with_canary(SchedulerEngine) if canary else SchedulerEngine
     return cls(config, device=device, hooks=hooks)
-
-
-build_engine.engine_target = True
 
 
 class _HookFailed(Exception):
@@ -79,7 +76,7 @@ class SchedulerEngine(OffloadWorker, Engine):
         manager = self.scheduler.kv_cache_manager
         allocator = VllmAllocator.around(config.allocator, manager)
         allocator.caller_contract = {}  # malformed calls go to the manager, never through this scheduler
-        super().__init__(config, allocator, VllmView(allocator), device=device, hooks=hooks)
+        super().__init__(config, allocator, VllmView(allocator), device=device, hooks=hooks, capabilities=CAPABILITIES)
         self.tells_steps = False  # schedule() tells the manager itself
         # vLLM promises to finish any request up to max_model_len, and sizes that from the tables
         # alone (check_enough_kv_cache_memory): the copies a hit inside a block takes are not

@@ -156,7 +156,7 @@ def build_scheduler(config: EngineConfig):
     # (check_enough_kv_cache_memory): the longest request all groups' blocks fit, as kvprop's
     # add_request bounds it. A longer one would let the scheduler pad a decode past what the
     # pool can ever give it.
-    scratch = sum(getattr(spec, "speculative_blocks", 0) for spec in alloc.groups)
+    scratch = sum(spec.speculative_blocks for spec in alloc.groups if isinstance(spec, Mamba))
     max_len = bs * ((alloc.usable_blocks - scratch) // len(alloc.groups))
     if max_len < 1:
         raise ConfigError(f"target 'vllm-scheduler': {alloc.usable_blocks} usable blocks hold no request of {alloc}")

@@ -1,0 +1,87 @@
+"""What a target declares beyond the required calls (``kvprop.targets.protocol``).
+
+Here, below the engine and the checks, because both read it: the engine makes an optional
+call only when its capability is declared, and the checks read an optional report only then.
+Nothing in kvprop discovers a capability by probing the target's objects.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+def _capability(calls: tuple[str, ...], side: str, meaning: str):
+    return attrs.field(default=False, metadata={"calls": calls, "side": side, "meaning": meaning})
+
+
+@attrs.frozen
+class Capabilities:
+    """What a target offers beyond the required calls; each field names the calls it promises.
+
+    The allocator side changes what kvprop's engine may drive; the view side lets the checks
+    judge more (keys inside a block, queued block copies) or judge faster (a change log, an
+    O(1) key lookup)."""
+
+    kv_events: bool = _capability(("take_events",), "allocator", "KV cache events, replayed against its cache map")
+    step_notice: bool = _capability(("new_step_starts",), "allocator", "told when a scheduler step starts")
+    block_copies: bool = _capability(
+        ("take_kv_cache_block_copies",), "allocator", "queues copies of shared blocks (hits inside a block)"
+    )
+    caller_contract: bool = _capability(
+        ("caller_contract",), "allocator", "names the malformed calls it refuses (Misuse operations)"
+    )
+    evictions: bool = _capability(("num_evictions",), "view", "counts evictions of cached blocks")
+    keys_inside_blocks: bool = _capability(
+        ("extra_keys", "further_keys"), "view", "reports keys of hits inside a block"
+    )
+    pending_copies: bool = _capability(("pending_copies",), "view", "reports the block copies it has queued")
+    change_log: bool = _capability(
+        ("take_changes", "cache_count"), "view", "reports the blocks changed since it was last asked"
+    )
+    raw_tables: bool = _capability(("raw_tables",), "view", "hands a group's live tables at once")
+    key_lookup: bool = _capability(("has_cache_key",), "view", "answers whether a key is cached in O(1)")
+
+    def declared(self) -> tuple[str, ...]:
+        return tuple(f.name for f in attrs.fields(Capabilities) if getattr(self, f.name))
+
+
+EVERY = Capabilities(**{f.name: True for f in attrs.fields(Capabilities)})
+NONE = Capabilities()
+
+
+GROUP_KINDS = frozenset({"full", "sliding_window", "chunked_local", "mamba"})
+
+
+@attrs.frozen
+class Shapes:
+    """The configurations a target builds: the sampler draws only these, so that a search's
+    budget goes to shapes the target runs, not to refusals. What it cannot declare here it
+    still refuses by ``ConfigError`` from its factory, each refusal counted."""
+
+    group_kinds: frozenset = GROUP_KINDS  # of "full", "sliding_window", "chunked_local", "mamba"
+    max_groups: int = 3
+    kv_events: bool = True  # enable_kv_cache_events
+    full_report: bool = True  # kv_cache_report_mode "full"
+    eagle: bool = True  # the EAGLE drop
+    hits_inside_blocks: bool = True  # a hash unit below the block size
+    retention: bool = True  # a retention interval (vLLM's prefix-cache retention)
+    lookahead: bool = True  # lookahead slots
+    drafts_within_budget: bool = False  # with drafts, a token budget of at least 1 + drafts
+
+    def limits(self) -> list[str]:
+        """What is drawn differently from every shape, in words."""
+        said = []
+        for field in attrs.fields(Shapes):
+            value, default = getattr(self, field.name), field.default
+            if value == default:
+                continue
+            if isinstance(value, bool):
+                said.append(f"{'only ' if value else 'no '}{field.name.replace('_', ' ')}")
+            elif isinstance(value, frozenset):
+                said.append(f"group kinds {', '.join(sorted(value))}")
+            else:
+                said.append(f"{field.name.replace('_', ' ')} {value}")
+        return said
+
+
+ANY_SHAPE = Shapes()

@@ -1,0 +1,258 @@
+"""The target contract: the calls every target answers, the capabilities it may declare, and
+the one registry every command resolves a target name through.
+
+A target is a factory ``factory(config: AllocatorConfig)`` that returns ``Built(allocator,
+view, capabilities)`` — or a plain ``(allocator, view)`` pair, which declares nothing beyond
+the required calls. The allocator answers ``Allocator`` (the calls a scheduler makes), the
+view answers ``View`` (what the invariants read). Everything beyond those is a capability,
+declared as a field of ``Capabilities`` and never discovered by probing the objects: a
+declared capability's calls must exist (``check_declared`` refuses the target otherwise),
+and kvprop makes a capability's calls only when it is declared.
+
+``docs/targets.md`` documents each call; ``kvprop targets`` lists the registry.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+
+from kvprop.errors import ConfigError
+from kvprop.sim.capabilities import ANY_SHAPE, EVERY, NONE, Capabilities, Shapes
+
+__all__ = ["ANY_SHAPE", "EVERY", "NONE", "Allocator", "Built", "Capabilities", "Shapes", "Target", "View"]
+
+# ---- the required calls ------------------------------------------------------------------
+
+
+@runtime_checkable
+class Allocator(Protocol):
+    """The manager-facade calls kvprop's engine makes, as vLLM's scheduler makes them."""
+
+    def get_computed_blocks(self, request: Any) -> tuple[Any, int]: ...
+
+    def allocate_slots(self, request: Any, num_new_tokens: int, **kwargs: Any) -> Any: ...
+
+    def free(self, request: Any) -> None: ...
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None: ...
+
+    def reset_prefix_cache(self) -> bool: ...
+
+    def get_block_ids(self, request_id: str) -> Any: ...
+
+
+@runtime_checkable
+class View(Protocol):
+    """The allocator's state in kvprop's terms, read by the invariants."""
+
+    num_blocks: int
+    block_size: int
+    num_groups: int
+    null_block_id: int
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    def ref_cnt(self, block_id: int) -> int: ...
+
+    def ref_cnts(self) -> list[int]: ...
+
+    def cache_key(self, block_id: int) -> Any: ...
+
+    def cache_keys(self) -> dict: ...
+
+    def free_queue_ids(self) -> list[int]: ...
+
+    def free_queue_ids_backward(self) -> list[int]: ...
+
+    def free_queue_prefix(self, n: int) -> list[int]: ...
+
+    def cache_map_items(self) -> list: ...
+
+    def request_ids(self, group: int) -> Any: ...
+
+    def request_block_ids(self, group: int, request_id: str) -> list[int]: ...
+
+    def num_cached_blocks(self, group: int, request_id: str) -> int: ...
+
+
+ALLOCATOR_CALLS = ("get_computed_blocks", "allocate_slots", "free", "cache_blocks", "reset_prefix_cache")
+ALLOCATOR_CALLS += ("get_block_ids",)
+VIEW_CALLS = ("ref_cnt", "ref_cnts", "cache_key", "cache_keys", "free_queue_ids", "free_queue_ids_backward")
+VIEW_CALLS += ("free_queue_prefix", "cache_map_items", "request_ids", "request_block_ids", "num_cached_blocks")
+VIEW_FIELDS = ("num_blocks", "block_size", "num_groups", "null_block_id", "num_free_blocks")
+
+
+# ---- what a target may declare: kvprop.sim.capabilities (the engine reads it too) ---------
+
+
+@attrs.frozen
+class Built:
+    """What a factory returns: the allocator, its view, and what they declare."""
+
+    allocator: Any
+    view: Any
+    capabilities: Capabilities = NONE
+
+    def __iter__(self):
+        """``allocator, view = factory(config)`` reads a ``Built`` as it reads a plain pair."""
+        return iter((self.allocator, self.view))
+
+
+def check_declared(target: str, built: Built) -> Built:
+    """The required calls and every declared capability's calls exist; else a ConfigError
+    naming what is missing (a wiring mistake of the target, not a find). This reads the
+    objects once, at build time, to hold a declaration to its word."""
+    for side, obj, names in (
+        ("allocator", built.allocator, ALLOCATOR_CALLS),
+        ("view", built.view, VIEW_CALLS + VIEW_FIELDS),
+    ):
+        missing = [n for n in names if not hasattr(obj, n)]
+        if missing:
+            raise ConfigError(
+                f"target {target!r}: the {side} ({type(obj).__name__}) lacks {missing} "
+                f"(docs/targets.md lists what each must answer)"
+            )
+    for field in attrs.fields(Capabilities):
+        if not getattr(built.capabilities, field.name):
+            continue
+        obj = built.allocator if field.metadata["side"] == "allocator" else built.view
+        missing = [n for n in field.metadata["calls"] if not hasattr(obj, n)]
+        if missing:
+            raise ConfigError(
+                f"target {target!r} declares {field.name}, but its {field.metadata['side']} "
+                f"({type(obj).__name__}) lacks {missing}"
+            )
+    return built
+
+
+class CompletedView:
+    """A view that declares fewer reports than the checks read, completed with empty ones for
+    what it does not declare: no keys inside a block, no queued copies, no evictions counted.
+    Every other call goes to the target's view. kvprop's and vLLM's views declare them all and
+    are never wrapped."""
+
+    def __init__(self, view: Any, declared: Capabilities):
+        self._view = view
+        self._declared = declared
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._view, name)
+
+    def extra_keys(self) -> dict:
+        return self._view.extra_keys() if self._declared.keys_inside_blocks else {}
+
+    def further_keys(self, block_id: int) -> list:
+        return self._view.further_keys(block_id) if self._declared.keys_inside_blocks else []
+
+    def pending_copies(self) -> list:
+        return self._view.pending_copies() if self._declared.pending_copies else []
+
+    @property
+    def num_evictions(self) -> int:
+        return self._view.num_evictions if self._declared.evictions else 0
+
+
+REPORTS = ("keys_inside_blocks", "pending_copies", "evictions")  # what CompletedView completes
+
+
+def complete_view(view: Any, declared: Capabilities) -> Any:
+    """``view`` itself where it declares every report the checks read, else completed."""
+    if all(getattr(declared, name) for name in REPORTS):
+        return view
+    return CompletedView(view, declared)
+
+
+# ---- the registry --------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Target:
+    """A target's declaration: its factory, what it declares, which package it drives.
+
+    kvprop's targets are registered here; a user's module may declare its own and name it
+    (``--target package.module:TARGET``), so that kvprop knows its capabilities and the shapes
+    it builds before building anything. A path naming a bare factory declares nothing."""
+
+    name: str
+    factory: Any  # "package.module:attribute" (imported only in a supervised worker), or the callable
+    summary: str
+    capabilities: Capabilities | None = None  # None: declared by what its factory returns
+    shapes: Shapes = ANY_SHAPE  # the configurations it builds: the sampler draws only these
+    own_scheduler: bool = False  # the factory builds the whole engine: factory(config, device, hooks, canary)
+    package: str | None = None  # the distribution whose release it drives (its version is reported)
+
+
+# vLLM's targets declare every call of the contract but a group's tables at once and an O(1)
+# key lookup, which vLLM's structures do not offer cheaply (kvprop.targets.vllm).
+VLLM_CAPABILITIES = attrs.evolve(EVERY, raw_tables=False, key_lookup=False)
+
+REGISTRY = {
+    t.name: t
+    for t in (
+        Target(
+            "kvprop",
+            "kvprop.targets.kvprop:build_kvprop_engine",
+            "kvprop's own allocator, or one of its bug variants (--variant)",
+            EVERY,
+            package="kvprop",
+        ),
+        Target(
+            "vllm",
+            "kvprop.targets.vllm:make_target",
+            "vLLM's own v1 KVCacheManager, driven by kvprop's scheduler",
+            VLLM_CAPABILITIES,
+            package="vllm",
+        ),
+        Target(
+            "vllm-scheduler",
+            "kvprop.targets.vllm_scheduler:build_engine",
+            "vLLM's own Scheduler (and OffloadingConnector) in charge of every step",
+            VLLM_CAPABILITIES,
+            # what kvprop does not drive through vLLM's scheduler (kvprop.targets.vllm_setup.refusal)
+            shapes=Shapes(lookahead=False, eagle=False, drafts_within_budget=True),
+            own_scheduler=True,
+            package="vllm",
+        ),
+    )
+}
+NAMES = "'kvprop', 'vllm', 'vllm-scheduler' or 'package.module:factory'"
+
+
+def is_builtin(name: str | None) -> bool:
+    """kvprop's own targets: a trace may name these; any other code runs only when a person names it."""
+    return name is None or name in REGISTRY
+
+
+def resolve(name: str | None) -> Target:
+    """The target ``name`` stands for: a registered one, or a user's factory by path (checked
+    for its form only; nothing is imported)."""
+    if name is None:
+        return REGISTRY["kvprop"]
+    if isinstance(name, str) and name in REGISTRY:
+        return REGISTRY[name]
+    module_name, sep, attr = name.partition(":") if isinstance(name, str) else ("", "", "")
+    if not sep or not attr.isidentifier() or not all(p.isidentifier() for p in module_name.split(".")):
+        raise ConfigError(f"target must be {NAMES}, got {name!r}")
+    return Target(name, name, "a user's allocator, loaded by path", None)
+
+
+def capabilities(name: str | None) -> Capabilities | None:
+    """What ``name`` declares, where the registry knows it without building it; None where its
+    factory declares it (a user's target, vLLM's, whose capabilities depend on the release)."""
+    return resolve(name).capabilities
+
+
+def version(target: Target) -> str | None:
+    """The installed release of the package a target drives, read from its metadata (nothing is imported)."""
+    if target.package is None:
+        return None
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed(target.package)
+    except PackageNotFoundError:
+        return None

@@ -1,0 +1,156 @@
+"""The target contract (``kvprop.targets.protocol``): declared capabilities, declared shapes,
+the registry, and no capability discovered by probing a target's objects."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import attrs
+import pytest
+
+from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, Mamba
+from kvprop.allocator.view import AllocatorView
+from kvprop.errors import ConfigError
+from kvprop.search.alphabet import RandomChooser, sample_config
+from kvprop.sim.capabilities import ANY_SHAPE, EVERY, NONE, Capabilities, Shapes
+from kvprop.targets import build_engine, check_built
+from kvprop.targets.kvprop import make_allocator
+from kvprop.targets.protocol import REGISTRY, VLLM_CAPABILITIES, Built, CompletedView, check_declared
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = EngineConfig(AllocatorConfig((FullAttention(4),), 16))
+
+
+def kvprop_allocator():
+    allocator = make_allocator(CONFIG.allocator)
+    return allocator, AllocatorView(allocator)
+
+
+def test_kvprop_targets_lists_the_registry_with_what_each_declares():
+    r = subprocess.run([sys.executable, "-m", "kvprop", "targets", "--json"], capture_output=True, text=True, cwd=ROOT)
+    listed = {row["name"]: row["capabilities"] for row in json.loads(r.stdout)}
+    expected = {name: list(t.capabilities.declared()) for name, t in REGISTRY.items()}
+    assert (r.returncode, listed) == (0, expected)
+
+
+def test_vllm_declares_every_capability_but_whole_tables_and_key_lookup():
+    assert set(EVERY.declared()) - set(VLLM_CAPABILITIES.declared()) == {"raw_tables", "key_lookup"}
+
+
+def test_a_plain_pair_declares_nothing():
+    assert check_built("t", kvprop_allocator()).capabilities == NONE
+
+
+def test_a_declared_capability_whose_calls_are_missing_is_refused():
+    allocator, view = kvprop_allocator()
+    with pytest.raises(ConfigError, match=r"declares change_log, but its view \(_BareView\) lacks \['take_changes'"):
+        check_declared("t", Built(allocator, _BareView(view), Capabilities(change_log=True)))
+
+
+class _BareView:
+    """Every required call of a view, answered by kvprop's, and nothing more."""
+
+    def __init__(self, view=None):
+        self._view = view
+
+    def __getattr__(self, name):
+        from kvprop.targets.protocol import VIEW_CALLS, VIEW_FIELDS
+
+        if name in VIEW_CALLS + VIEW_FIELDS and self._view is not None:
+            return getattr(self._view, name)
+        raise AttributeError(name)
+
+
+def test_an_undeclared_report_reads_empty_even_where_the_view_has_it():
+    allocator, view = kvprop_allocator()
+    completed = CompletedView(view, NONE)
+    assert (completed.extra_keys(), completed.further_keys(1), completed.pending_copies(), completed.num_evictions) == (
+        {},
+        [],
+        [],
+        0,
+    )
+
+
+def test_an_engine_over_a_plain_pair_makes_no_optional_call():
+    engine = build_engine(CONFIG, target="tests.example_target:make_plain_target")
+    assert (engine.tells_steps, engine.copies_blocks, type(engine.view).__name__) == (False, False, "CompletedView")
+
+
+def test_an_engine_over_kvprops_allocator_makes_every_optional_call():
+    engine = build_engine(CONFIG)
+    assert (engine.capabilities, engine.tells_steps, engine.copies_blocks) == (EVERY, True, True)
+
+
+def draws(shapes: Shapes, n: int = 1000) -> list[EngineConfig]:
+    return [sample_config(RandomChooser(random.Random(seed)), shapes) for seed in range(n)]
+
+
+def test_every_shape_allowed_draws_what_no_declaration_draws():
+    assert draws(ANY_SHAPE, 200) == [sample_config(RandomChooser(random.Random(seed))) for seed in range(200)]
+
+
+def test_the_sampler_draws_only_the_declared_shapes():
+    one_full = Shapes(frozenset({"full"}), 1, kv_events=False, eagle=False, hits_inside_blocks=False, retention=False)
+    seen = Counter()
+    for config in draws(one_full):
+        a = config.allocator
+        seen["one full-attention group"] += a.groups == (FullAttention(a.block_size),)
+        seen["events"] += a.enable_kv_cache_events
+        seen["eagle"] += a.eagle
+        seen["hash unit below the block"] += a.unit != a.block_size
+        seen["retention"] += a.retention_interval not in (None, 0)
+    assert dict(seen) == {
+        "one full-attention group": 1000,
+        "events": 0,
+        "eagle": 0,
+        "hash unit below the block": 0,
+        "retention": 0,
+    }
+
+
+def test_vllm_schedulers_shapes_have_no_lookahead_no_eagle_and_a_budget_for_the_drafts():
+    shapes = REGISTRY["vllm-scheduler"].shapes
+    bad = [c for c in draws(shapes) if c.lookahead or c.allocator.eagle or c.token_budget < 1 + c.speculative_tokens]
+    assert bad == []
+
+
+def test_a_state_group_is_drawn_only_where_declared():
+    no_state = attrs.evolve(ANY_SHAPE, group_kinds=frozenset({"full", "sliding_window", "chunked_local"}))
+    assert [c for c in draws(no_state) if any(isinstance(g, Mamba) for g in c.allocator.groups)] == []
+
+
+# ---- no capability is discovered by probing a target's objects -----------------------------
+
+# Every hasattr/getattr left in kvprop/, by file, with why it is not a capability probe. A new
+# one fails this test until it is declared instead, or added here with its reason.
+PROBES_LEFT = {
+    "kvprop/cli.py": (2, "argparse's namespace and the OS's affinity call"),
+    "kvprop/commands.py": (5, "argparse's namespace"),
+    "kvprop/coverage.py": (1, "a module's __file__"),
+    "kvprop/repro/minimise.py": (2, "fields of kvprop's own operations and group specs"),
+    "kvprop/search/alphabet.py": (2, "kvprop's own operation classes (ready, WEIGHTS)"),
+    "kvprop/sim/boundary.py": (1, "the facade call the engine names, one of the required calls"),
+    "kvprop/sim/capabilities.py": (2, "the declaration's own fields"),
+    "kvprop/targets/__init__.py": (2, "the attribute the user named on the command line"),
+    "kvprop/targets/protocol.py": (5, "a declaration held to its word once at build; the completed view's forwarding"),
+    "kvprop/targets/vllm.py": (15, "the installed vLLM release's API, which differs between releases"),
+    "kvprop/targets/vllm_offload.py": (3, "the installed vLLM release's API"),
+    "kvprop/targets/vllm_scheduler.py": (5, "the installed vLLM release's API"),
+    "kvprop/targets/vllm_setup.py": (1, "the installed vLLM release's API"),
+}
+
+
+def test_no_capability_is_probed_beyond_the_stated_places():
+    found = {}
+    for path in sorted((ROOT / "kvprop").rglob("*.py")):
+        count = len(re.findall(r"\b(?:hasattr|getattr)\(", path.read_text()))
+        if count:
+            found[str(path.relative_to(ROOT))] = count
+    assert found == {path: count for path, (count, _) in PROBES_LEFT.items()}
