@@ -25,8 +25,12 @@ setup: $(STAMP)
 # file's module fixtures run once; TEST_WORKERS=0 runs it in this process alone.
 TEST_WORKERS ?= auto
 
+# The target contract and the supervised workers are typed: mypy holds them (and what they import) to it.
+TYPED := kvprop/targets/protocol.py kvprop/capabilities.py kvprop/search/supervisor.py kvprop/search/journal.py
+
 test: $(STAMP)
-	$(BIN)/ruff check kvprop tests bench
+	$(BIN)/ruff check kvprop tests bench examples
+	$(BIN)/mypy --follow-imports=silent --ignore-missing-imports $(TYPED)
 	KVPROP_PROFILE=$(PROFILE) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 fuzz: $(STAMP)
@@ -46,7 +50,8 @@ bench-quick: $(STAMP)
 	$(BIN)/kvprop bench --quick
 
 lint: $(STAMP)
-	$(BIN)/ruff check kvprop tests bench
+	$(BIN)/ruff check kvprop tests bench examples
+	$(BIN)/mypy --follow-imports=silent --ignore-missing-imports $(TYPED)
 
 # vLLM's own allocator as a target: a separate CPU-only environment per release, any
 # release from 0.22 on (scripts/vllm-env.sh: torch 2.13.0+cpu, vLLM and its import

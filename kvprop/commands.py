@@ -608,8 +608,11 @@ def cmd_targets(args) -> int:
 
     rows = []
     for t in REGISTRY.values():
-        shapes = attrs.asdict(t.shapes)
-        shapes["group_kinds"] = sorted(shapes["group_kinds"])
+        if isinstance(t.shapes, str):  # the release installed says, where the target runs
+            shapes, limits = None, [f"as the installed release builds them ({t.shapes})"]
+        else:
+            shapes, limits = attrs.asdict(t.shapes), t.shapes.limits()
+            shapes["group_kinds"] = sorted(shapes["group_kinds"])
         rows.append(
             {
                 "name": t.name,
@@ -620,7 +623,7 @@ def cmd_targets(args) -> int:
                 "version": version(t),
                 "capabilities": list(t.capabilities.declared()) if t.capabilities else None,
                 "shapes": shapes,
-                "limits": t.shapes.limits(),
+                "limits": limits,
             }
         )
     if args.json:

@@ -16,7 +16,8 @@ FOUNDATION = {
     "kvprop.__version__",
     "kvprop.errors",
     "kvprop.interrupt",
-}  # the version string, the shared exceptions and the interrupt flag, below every layer
+    "kvprop.capabilities",
+}  # the version string, the shared exceptions, the interrupt flag and what a target declares, below every layer
 
 
 def layer_of(module: str) -> str:

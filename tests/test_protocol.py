@@ -16,9 +16,9 @@ import pytest
 
 from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, Mamba
 from kvprop.allocator.view import AllocatorView
+from kvprop.capabilities import ANY_SHAPE, EVERY, NONE, Capabilities, Shapes
 from kvprop.errors import ConfigError
 from kvprop.search.alphabet import RandomChooser, sample_config
-from kvprop.sim.capabilities import ANY_SHAPE, EVERY, NONE, Capabilities, Shapes
 from kvprop.targets import build_engine, check_built
 from kvprop.targets.kvprop import make_allocator
 from kvprop.targets.protocol import REGISTRY, VLLM_CAPABILITIES, Built, CompletedView, check_declared
@@ -115,9 +115,20 @@ def test_the_sampler_draws_only_the_declared_shapes():
     }
 
 
-def test_vllm_schedulers_shapes_have_no_lookahead_no_eagle_and_a_budget_for_the_drafts():
-    shapes = REGISTRY["vllm-scheduler"].shapes
+def test_shapes_without_lookahead_or_eagle_and_with_a_budget_for_the_drafts_are_drawn_so():
+    shapes = Shapes(lookahead=False, eagle=False, drafts_within_budget=True)  # vLLM's scheduler target's
     bad = [c for c in draws(shapes) if c.lookahead or c.allocator.eagle or c.token_budget < 1 + c.speculative_tokens]
+    assert bad == []
+
+
+def test_shapes_without_checkpoints_or_a_state_group_beside_a_connector_are_drawn_so():
+    shapes = Shapes(checkpoints=False, state_with_connector=False)
+    bad = [
+        c
+        for c in draws(shapes)
+        for g in c.allocator.groups
+        if isinstance(g, Mamba) and (g.checkpoint is not None or c.connector != "off")
+    ]
     assert bad == []
 
 
@@ -137,8 +148,8 @@ PROBES_LEFT = {
     "kvprop/repro/minimise.py": (2, "fields of kvprop's own operations and group specs"),
     "kvprop/search/alphabet.py": (2, "kvprop's own operation classes (ready, WEIGHTS)"),
     "kvprop/sim/boundary.py": (1, "the facade call the engine names, one of the required calls"),
-    "kvprop/sim/capabilities.py": (2, "the declaration's own fields"),
-    "kvprop/targets/__init__.py": (2, "the attribute the user named on the command line"),
+    "kvprop/capabilities.py": (2, "the declaration's own fields"),
+    "kvprop/targets/__init__.py": (3, "the attribute the user named; a registered target's factory and shapes"),
     "kvprop/targets/protocol.py": (5, "a declaration held to its word once at build; the completed view's forwarding"),
     "kvprop/targets/vllm.py": (15, "the installed vLLM release's API, which differs between releases"),
     "kvprop/targets/vllm_offload.py": (3, "the installed vLLM release's API"),

@@ -528,3 +528,17 @@ def test_the_walker_finds_the_cross_group_bug_through_the_connector_from_scratch
     connector_seeds = [s for s in runnable_seeds(400) if plan(s).config.connector != "off"]
     kinds = {run_walk(seed, target="vllm-scheduler").failure for seed in connector_seeds}
     assert "block-in-two-groups" in {f.kind for f in kinds if f is not None}
+
+
+def test_the_shapes_it_declares_for_this_release_are_almost_never_refused():
+    """The sampler draws what this release's scheduler target declares it builds
+    (``vllm_setup.scheduler_shapes``): at most 5% of the draws are refused."""
+    import random
+
+    from kvprop.search.alphabet import RandomChooser, sample_config
+    from kvprop.targets import shapes_of
+
+    shapes = shapes_of("vllm-scheduler")
+    configs = [sample_config(RandomChooser(random.Random(seed)), shapes) for seed in range(1000)]
+    refused = [why for config in configs if (why := refusal(config)) is not None]
+    assert len(refused) <= 50, refused[:3]

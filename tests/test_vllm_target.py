@@ -409,3 +409,18 @@ def test_kvprop_and_vllm_agree_step_for_step():
 def test_kvprop_and_vllm_agree_step_for_step_with_the_eagle_drop():
     result = agree("vllm", eagle_seeds(20), **release_rules(RELEASE))
     assert (result.disagreement, result.walks) == (None, 20)
+
+
+def test_the_shapes_it_declares_for_this_release_are_almost_never_refused():
+    """The sampler draws what this release's manager target declares it builds
+    (``vllm.release_shapes``): at most 5% of the draws are refused."""
+    import random
+
+    from kvprop.search.alphabet import RandomChooser, sample_config
+    from kvprop.targets import shapes_of
+    from kvprop.targets.vllm import allocator_refusal
+
+    shapes = shapes_of("vllm")
+    configs = [sample_config(RandomChooser(random.Random(seed)), shapes) for seed in range(1000)]
+    refused = [why for config in configs if (why := allocator_refusal(config.allocator)) is not None]
+    assert len(refused) <= 50, refused[:3]

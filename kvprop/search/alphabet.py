@@ -24,7 +24,7 @@ from kvprop.allocator.specs import (
     SlidingWindow,
     eagle_problem,
 )
-from kvprop.sim.capabilities import ANY_SHAPE, Shapes
+from kvprop.capabilities import ANY_SHAPE, Shapes
 
 if TYPE_CHECKING:
     from kvprop.search.harness import Harness
@@ -80,7 +80,7 @@ def sample_config(choose, shapes: Shapes = ANY_SHAPE) -> EngineConfig:
     # state group), so the connector's attention-only shapes keep most of their draws.
     with_connector = connector == "async" and enable_caching
     state_group = (connector == "off" or with_connector) and choose.integer(0, 3 if with_connector else 1) == 0
-    state_group = state_group and "mamba" in shapes.group_kinds
+    state_group = state_group and "mamba" in shapes.group_kinds and (connector == "off" or shapes.state_with_connector)
     # Drafts in half the shapes, 1 to 4 of them as MTP and EAGLE propose; none with a state
     # group in mode "none", whose speculative columns are not modelled, and fewer than a block.
     speculative = choose.pick((0, 0, 0, 1, 2, 4))
@@ -103,7 +103,8 @@ def sample_config(choose, shapes: Shapes = ANY_SHAPE) -> EngineConfig:
         # Prefill checkpoints in three of four state groups that can save them, as production
         # models have them: alignment 1 as mamba_mixer2 always declares, or a coarser kernel
         # grid as GDN and KDA layers do.
-        groups[-1] = attrs.evolve(groups[-1], checkpoint=choose.pick((None, 1, 1, 4)))
+        checkpoint = choose.pick((None, 1, 1, 4))
+        groups[-1] = attrs.evolve(groups[-1], checkpoint=checkpoint if shapes.checkpoints else None)
     # the full report (hits announced again) in half the shapes with events
     report = "full" if events and choose.integer(0, 1) and shapes.full_report else "incremental"
     # vLLM's default for a failed load ends its request, in half the shapes whose loads can fail;

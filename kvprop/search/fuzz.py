@@ -96,6 +96,7 @@ def _walk_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: int, f
     from kvprop.search.walk import run_walk, walk_seed
 
     journal = jn.Journal(files / f"w{index}.journal")
+    sv.load_target_here(journal, opts.target, opts.variant)
     runs, steps, events, refused, last = 0, 0, set(), Counter(), time.monotonic()
     i = first
     while not stop.is_set() and i <= limit.value and (opts.max_runs is None or i < opts.max_runs):
@@ -145,8 +146,10 @@ def _hypothesis_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: 
     from kvprop.search.walk import walk_seed
 
     profiles.load("fuzz")
+    journal = jn.Journal(files / f"w{index}.journal")
+    sv.load_target_here(journal, opts.target, opts.variant)
     machine = machine_for(opts.variant, opts.target, opts.device)
-    machine.journal = jn.Journal(files / f"w{index}.journal")
+    machine.journal = journal
     chunk = settings(settings.default, max_examples=200)  # Hypothesis starts each run simple: keep runs long
     if opts.fresh:
         chunk = settings(chunk, database=None)

@@ -95,7 +95,7 @@ def read(path: Path) -> Journalled | None:
         header = json.loads(lines[0][4:])
     except ValueError:
         return None
-    phase, steps = "build", []
+    phase, steps = "build", []  # type: tuple[str, list]
     for line in lines[1:]:
         word, _, rest = line.partition(" ")
         if word == "built":

@@ -20,10 +20,10 @@ from hypothesis import currently_in_test_context, event, reject
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
+from kvprop.capabilities import ANY_SHAPE
 from kvprop.errors import ConfigError, TargetCrash, Violation
 from kvprop.search import alphabet as ops
 from kvprop.search.harness import Harness
-from kvprop.sim.capabilities import ANY_SHAPE
 from kvprop.targets import shapes_of
 
 

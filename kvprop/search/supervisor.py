@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -250,6 +250,24 @@ def _call(conn, journal, function, options: dict):
     return function(**kwargs, journal=journal)
 
 
+def load_target_here(journal, target, variant):
+    """Import ``target`` and read the shapes it declares, inside a journalled run (the first
+    sampled configuration, which the import does not depend on): a hang or a death while
+    importing is judged like one while building. The shapes, or None for kvprop's own."""
+    import random
+
+    from kvprop.search.alphabet import RandomChooser, sample_config
+    from kvprop.search.trace import Trace
+    from kvprop.targets import shapes_of
+
+    if target in (None, "kvprop"):
+        return None
+    if journal is not None:
+        config = sample_config(RandomChooser(random.Random(0)))
+        journal.begin(Trace(config=config, steps=(), variant=variant, target=target, seed=0))
+    return shapes_of(target)
+
+
 def probe_here(journal, target, variant, device, attempts: int) -> str | None:
     """Build sampled configurations until one builds: None, or the first refusal if none did."""
     import random
@@ -257,10 +275,9 @@ def probe_here(journal, target, variant, device, attempts: int) -> str | None:
     from kvprop.search.alphabet import RandomChooser, sample_config
     from kvprop.search.harness import Harness
     from kvprop.search.trace import Trace
-    from kvprop.targets import shapes_of
 
     first = None
-    shapes = shapes_of(target) if target not in (None, "kvprop") else None
+    shapes = load_target_here(journal, target, variant)
     for i in range(attempts):
         config = sample_config(RandomChooser(random.Random(i)), *(() if shapes is None else (shapes,)))
         if journal is not None:
@@ -279,7 +296,7 @@ class Died(Exception):
 
     def __init__(self, trace: Trace, log: Path | None):
         self.trace, self.log = trace, log
-        super().__init__(trace.failure.message)
+        super().__init__(trace.failure.message if trace.failure else "the target's process ended")
 
 
 class Supervisor:
@@ -296,8 +313,8 @@ class Supervisor:
         self.dir = Path(tempfile.mkdtemp(prefix="kvprop-worker-"))
         self.journal_path = self.dir / "journal"
         self.log_path = self.dir / "target.log"
-        self.proc = None
-        self.conn = None
+        self.proc: Any = None  # the worker process, started on the first request
+        self.conn: Any = None
         self.deaths = 0
 
     def __enter__(self) -> Supervisor:
@@ -307,7 +324,7 @@ class Supervisor:
         self.close()
 
     def _start(self) -> None:
-        ctx = mp.get_context("fork" if sys.platform.startswith("linux") and not self.fresh else "spawn")
+        ctx: Any = mp.get_context("fork" if sys.platform.startswith("linux") and not self.fresh else "spawn")
         ours, theirs = ctx.Pipe()
         self.journal_path.unlink(missing_ok=True)
         self.log_path.unlink(missing_ok=True)

@@ -16,12 +16,12 @@ import random
 
 import attrs
 
+from kvprop.capabilities import ANY_SHAPE, Shapes
 from kvprop.errors import ConfigError
 from kvprop.search.alphabet import RandomChooser, ready_operations, sample_config, sample_weights
 from kvprop.search.execute import run
 from kvprop.search.harness import Harness
 from kvprop.search.trace import Failure, Trace
-from kvprop.sim.capabilities import ANY_SHAPE, Shapes
 from kvprop.targets import shapes_of
 
 

@@ -17,9 +17,9 @@ import attrs
 from kvprop.allocator.checkpoint import checkpoint_position, chunk_checkpoint, saves_checkpoint
 from kvprop.allocator.hashing import fingerprint, state_fingerprint
 from kvprop.allocator.specs import EngineConfig, Mamba, cdiv
+from kvprop.capabilities import EVERY, Capabilities
 from kvprop.errors import RequestError, TargetCrash
 from kvprop.sim.boundary import Boundary
-from kvprop.sim.capabilities import EVERY, Capabilities
 from kvprop.sim.connector import Connector
 from kvprop.sim.memory import PagedMemory
 from kvprop.sim.request import Request, Status

@@ -20,8 +20,8 @@ import sys
 
 import attrs
 
+from kvprop.capabilities import NONE, Shapes
 from kvprop.errors import ConfigError, TargetError
-from kvprop.sim.capabilities import NONE, Shapes
 from kvprop.sim.engine import Engine
 from kvprop.targets.protocol import (
     NAMES,
@@ -86,8 +86,13 @@ def load_factory(target):
 
 @functools.cache
 def shapes_of(target) -> Shapes:
-    """The configurations ``target`` declares it builds (every one for a bare factory)."""
-    return load_target(target).shapes
+    """The configurations ``target`` declares it builds (every one for a bare factory); for a
+    release-dependent target, computed from the release installed (this imports it)."""
+    shapes = load_target(target).shapes
+    if isinstance(shapes, str):
+        module_name, _, attr = shapes.partition(":")
+        shapes = getattr(importlib.import_module(module_name), attr)()
+    return shapes
 
 
 def check_built(target: str, built) -> Built:

@@ -18,8 +18,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
+from kvprop.capabilities import ANY_SHAPE, EVERY, NONE, Capabilities, Shapes
 from kvprop.errors import ConfigError
-from kvprop.sim.capabilities import ANY_SHAPE, EVERY, NONE, Capabilities, Shapes
 
 __all__ = ["ANY_SHAPE", "EVERY", "NONE", "Allocator", "Built", "Capabilities", "Shapes", "Target", "View"]
 
@@ -78,14 +78,31 @@ class View(Protocol):
     def num_cached_blocks(self, group: int, request_id: str) -> int: ...
 
 
-ALLOCATOR_CALLS = ("get_computed_blocks", "allocate_slots", "free", "cache_blocks", "reset_prefix_cache")
-ALLOCATOR_CALLS += ("get_block_ids",)
-VIEW_CALLS = ("ref_cnt", "ref_cnts", "cache_key", "cache_keys", "free_queue_ids", "free_queue_ids_backward")
-VIEW_CALLS += ("free_queue_prefix", "cache_map_items", "request_ids", "request_block_ids", "num_cached_blocks")
-VIEW_FIELDS = ("num_blocks", "block_size", "num_groups", "null_block_id", "num_free_blocks")
+ALLOCATOR_CALLS: tuple[str, ...] = (
+    "get_computed_blocks",
+    "allocate_slots",
+    "free",
+    "cache_blocks",
+    "reset_prefix_cache",
+    "get_block_ids",
+)
+VIEW_CALLS: tuple[str, ...] = (
+    "ref_cnt",
+    "ref_cnts",
+    "cache_key",
+    "cache_keys",
+    "free_queue_ids",
+    "free_queue_ids_backward",
+    "free_queue_prefix",
+    "cache_map_items",
+    "request_ids",
+    "request_block_ids",
+    "num_cached_blocks",
+)
+VIEW_FIELDS: tuple[str, ...] = ("num_blocks", "block_size", "num_groups", "null_block_id", "num_free_blocks")
 
 
-# ---- what a target may declare: kvprop.sim.capabilities (the engine reads it too) ---------
+# ---- what a target may declare: kvprop.capabilities (the engine reads it too) ---------
 
 
 @attrs.frozen
@@ -180,7 +197,9 @@ class Target:
     factory: Any  # "package.module:attribute" (imported only in a supervised worker), or the callable
     summary: str
     capabilities: Capabilities | None = None  # None: declared by what its factory returns
-    shapes: Shapes = ANY_SHAPE  # the configurations it builds: the sampler draws only these
+    # the configurations it builds, which the sampler draws only: a Shapes, or "module:function"
+    # giving them for the release installed (evaluated where the target runs)
+    shapes: Shapes | str = ANY_SHAPE
     own_scheduler: bool = False  # the factory builds the whole engine: factory(config, device, hooks, canary)
     package: str | None = None  # the distribution whose release it drives (its version is reported)
 
@@ -204,6 +223,7 @@ REGISTRY = {
             "kvprop.targets.vllm:make_target",
             "vLLM's own v1 KVCacheManager, driven by kvprop's scheduler",
             VLLM_CAPABILITIES,
+            shapes="kvprop.targets.vllm:release_shapes",
             package="vllm",
         ),
         Target(
@@ -211,8 +231,7 @@ REGISTRY = {
             "kvprop.targets.vllm_scheduler:build_engine",
             "vLLM's own Scheduler (and OffloadingConnector) in charge of every step",
             VLLM_CAPABILITIES,
-            # what kvprop does not drive through vLLM's scheduler (kvprop.targets.vllm_setup.refusal)
-            shapes=Shapes(lookahead=False, eagle=False, drafts_within_budget=True),
+            shapes="kvprop.targets.vllm_setup:scheduler_shapes",
             own_scheduler=True,
             package="vllm",
         ),

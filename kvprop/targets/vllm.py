@@ -39,6 +39,7 @@ from kvprop.allocator.specs import (
     Mamba,
     SlidingWindow,
 )
+from kvprop.capabilities import Shapes
 from kvprop.errors import ConfigError
 from kvprop.targets.protocol import VLLM_CAPABILITIES, Built
 
@@ -128,6 +129,17 @@ def _quiet_vllm_loggers(level: str) -> None:
 
 
 CAPABILITIES = VLLM_CAPABILITIES  # as registered (kvprop.targets.protocol)
+
+
+def release_shapes() -> Shapes:
+    """The shapes this vLLM release builds as kvprop models them (``allocator_refusal`` says
+    why each other one is refused): the sampler draws only these."""
+    _import_vllm()  # without vLLM, the ConfigError that says how to get it
+    return Shapes(
+        hits_inside_blocks=partial_hits_refusal() is None,
+        checkpoints=checkpoint_refusal() is None,
+        full_report=_has_full_report(),
+    )
 
 
 def make_target(config: AllocatorConfig) -> Built:

@@ -17,7 +17,10 @@ import shutil
 import tempfile
 from types import SimpleNamespace
 
+import attrs
+
 from kvprop.allocator.specs import EngineConfig, Mamba
+from kvprop.capabilities import Shapes
 from kvprop.errors import ConfigError
 from kvprop.targets.vllm import (
     INSTALL_HINT,
@@ -109,6 +112,22 @@ def _cpu_block_bytes(page: int) -> int:
 
     align = int(getattr(CPUOffloadingSpec, "BLOCK_SIZE_ALIGNMENT", 1))
     return -(-page // align) * align
+
+
+def scheduler_shapes() -> Shapes:
+    """The shapes kvprop drives through this release's scheduler (``refusal`` says why each
+    other one is refused): the manager's, less lookahead slots and the EAGLE drop, with a token
+    budget for the drafts, and a state group beside a connector where the release takes one."""
+    from kvprop.targets.vllm import release_shapes
+
+    import_scheduler()  # without vLLM, the ConfigError that says how to get it
+    return attrs.evolve(
+        release_shapes(),
+        lookahead=False,
+        eagle=False,
+        drafts_within_budget=True,
+        state_with_connector=_takes_connector_with_state_groups(),
+    )
 
 
 def refusal(config: EngineConfig) -> str | None:

@@ -1,8 +1,9 @@
 """What a target declares beyond the required calls (``kvprop.targets.protocol``).
 
-Here, below the engine and the checks, because both read it: the engine makes an optional
-call only when its capability is declared, and the checks read an optional report only then.
-Nothing in kvprop discovers a capability by probing the target's objects.
+Here, below every layer, because the engine, the checks and the sampler all read it: the
+engine makes an optional call only when its capability is declared, the checks read an
+optional report only then, and the sampler draws only the shapes declared. Nothing in kvprop
+discovers a capability by probing the target's objects.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ class Shapes:
     hits_inside_blocks: bool = True  # a hash unit below the block size
     retention: bool = True  # a retention interval (vLLM's prefix-cache retention)
     lookahead: bool = True  # lookahead slots
+    checkpoints: bool = True  # a state group's prefill checkpoints
+    state_with_connector: bool = True  # a state group beside a KV connector
     drafts_within_budget: bool = False  # with drafts, a token budget of at least 1 + drafts
 
     def limits(self) -> list[str]:
