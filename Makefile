@@ -26,7 +26,7 @@ setup: $(STAMP)
 TEST_WORKERS ?= auto
 
 # The target contract and the supervised workers are typed: mypy holds them (and what they import) to it.
-TYPED := kvprop/targets/protocol.py kvprop/capabilities.py kvprop/search/supervisor.py kvprop/search/journal.py
+TYPED := kvprop/targets/protocol.py kvprop/targets/__init__.py kvprop/capabilities.py kvprop/search/supervisor.py kvprop/search/journal.py
 
 test: $(STAMP)
 	$(BIN)/ruff check kvprop tests bench examples

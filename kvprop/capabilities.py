@@ -69,6 +69,7 @@ class Shapes:
     lookahead: bool = True  # lookahead slots
     checkpoints: bool = True  # a state group's prefill checkpoints
     state_with_connector: bool = True  # a state group beside a KV connector
+    local_with_connector: bool = True  # a chunked-local group beside a KV connector
     drafts_within_budget: bool = False  # with drafts, a token budget of at least 1 + drafts
 
     def limits(self) -> list[str]:

@@ -60,12 +60,13 @@ def workers(text: str) -> int:
 def kinds(text: str) -> frozenset:
     """Comma-separated violation kinds (``kvprop.check.kinds``), ``target-crash`` or ``target-hang``."""
     from kvprop.check.kinds import KINDS
+    from kvprop.errors import bounded
 
     allowed = sorted(KINDS) + ["target-crash", "target-hang"]
     names = [name.strip() for name in text.split(",")]
     unknown = [name for name in names if name not in allowed]
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown kind(s) {unknown}; allowed: {', '.join(allowed)}")
+        raise argparse.ArgumentTypeError(f"unknown kind(s) {bounded(unknown)}; allowed: {', '.join(allowed)}")
     return frozenset(names)
 
 

@@ -7,6 +7,7 @@ minimised; Ctrl-C while minimising keeps the smallest trace so far.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -295,6 +296,13 @@ def _write_find(args, result, out, summary, name, best, interrupted, supervisor)
     return EXIT_FOUND
 
 
+def _check_out(args) -> None:
+    """``--out`` can take a find before anything runs (kvprop.repro.counterexample.check_out)."""
+    from kvprop.repro import counterexample
+
+    counterexample.check_out(Path(args.out))
+
+
 def _died(args, died, command: str) -> int:
     """The target died or hung while ``command`` ran it: a find, saved under ``--out`` with what
     the target printed, and exit 1."""
@@ -400,10 +408,11 @@ def cmd_replay(args) -> int:
 def cmd_minimise(args) -> int:
     import attrs
 
-    from kvprop.search import trace as tr
 
     trace, variant, target = _load(args, "minimise")
     out = Path(args.out or args.file)
+    if out.is_dir():
+        raise ConfigError(f"--out {str(out)!r} is a directory; give the trace file's path")
     if out.parent and not out.parent.exists():
         out.parent.mkdir(parents=True)
     print(f"minimising {args.file} ({len(trace.steps)} operations; Ctrl-C keeps the smallest so far) ...", flush=True)
@@ -414,11 +423,29 @@ def cmd_minimise(args) -> int:
             print(f"cannot minimise: {e}")
             return EXIT_CLEAN
         best = attrs.evolve(best, variant=variant, target=target)
-        tr.save(best, out)
+        out = _save_or_fall_back(best, out)
         stopped = " (interrupted: the smallest so far)" if interrupted else ""
         print(f"{len(trace.steps)} operations -> {len(best.steps)}{stopped}; wrote {out}")
         _print_steps(best, supervisor)
     return EXIT_FOUND
+
+
+def _save_or_fall_back(trace, out: Path) -> Path:
+    """``trace`` written at ``out``; if that fails, at a new file in the temporary directory,
+    said on stderr: a minimised trace is never lost to a path that went bad during the run."""
+    import tempfile
+
+    from kvprop.search import trace as tr
+
+    try:
+        tr.save(trace, out)
+        return out
+    except OSError as e:
+        fd, fallback = tempfile.mkstemp(prefix="kvprop-minimised-", suffix=".json")
+        os.close(fd)
+        tr.save(trace, Path(fallback))
+        print(f"could not write {out} ({e.strerror}); the trace is at {fallback}", file=sys.stderr)
+        return Path(fallback)
 
 
 def cmd_emit_test(args) -> int:
@@ -557,6 +584,7 @@ def cmd_agree(args) -> int:
     if args.target == "kvprop":
         raise ConfigError("agree compares kvprop's allocator with another target: give --target vllm or pkg.mod:f")
     rules = _take_release_rules(args) if args.release_rules else None
+    _check_out(args)
     _check_allocator(args.reference_variant, None)  # an unknown name is refused before anything runs
     _check_allocator(None, args.target)
     _say(args, f"kvprop {__version__} agree: kvprop vs {args.target}, walks {args.seed}..{args.seed + args.walks - 1}")
@@ -652,6 +680,7 @@ def cmd_coverage(args) -> int:
     from kvprop.search.supervisor import Died
 
     _check_device(args.device)  # the target and variant are checked in the worker, before it measures
+    _check_out(args)
     label = f"variant {args.variant}" if args.variant else f"target {args.target or 'kvprop'}"
     _say(args, f"kvprop {__version__} coverage: {label}, walk driver, {args.seconds:g}s budget, seed {args.seed}")
 

@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 
+def bounded(items, limit: int = 8) -> str:
+    """The first ``limit`` items, then how many more: an error message stays short whatever the
+    input it quotes (a trace with ten thousand unknown fields, a list of made-up names)."""
+    items = [repr(item) if not isinstance(item, str) else item for item in items]
+    shown = ", ".join(items[:limit])
+    return shown if len(items) <= limit else f"{shown} and {len(items) - limit:,} more"
+
+
 class KvpropError(Exception):
     """Base class: every error kvprop raises on purpose."""
 

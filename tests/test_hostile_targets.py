@@ -169,3 +169,17 @@ def test_a_hanging_target_under_coverage_ends_past_the_call_timeout_as_a_target_
     target = write_target(tmp_path, in_call=FAULTS["hang"])
     r = kvprop(tmp_path, "coverage", "--seconds", "600", "--call-timeout", "2", "--target", target, "--out", "cx")
     assert (r.returncode, "FOUND target-hang while coverage ran the target" in r.stderr) == (1, True), r.stderr
+
+
+def test_a_minimised_trace_that_cannot_be_written_where_asked_is_written_elsewhere_and_said(tmp_path):
+    target = write_target(tmp_path, in_call=FAULTS["exit"])
+    fuzz(tmp_path, target)
+    (found,) = (tmp_path / "cx").glob("*.found.json")
+    r = kvprop(tmp_path, "minimise", str(found), "--target", target, "--out", "/proc/kvprop-cannot-write.json")
+    fallback = r.stderr.split("the trace is at ")[-1].strip()
+    assert (r.returncode, "could not write /proc/kvprop-cannot-write.json" in r.stderr, Path(fallback).is_file()) == (
+        1,
+        True,
+        True,
+    ), r.stderr
+    Path(fallback).unlink()

@@ -370,6 +370,20 @@ def test_ctrl_c_during_the_search_prints_a_summary_and_exits_130(tmp_path, runni
     assert "Traceback" not in stderr, stderr
 
 
+@pytest.mark.parametrize(
+    "command",
+    [("coverage", "--seconds", "120"), ("agree", "--target", "tests.example_target:make_target", "--walks", "100000")],
+    ids=["coverage", "agree"],
+)
+def test_ctrl_c_while_a_supervised_worker_runs_the_target_exits_130(tmp_path, running, command):
+    k = running(*command, "--out", str(tmp_path / "cx"), cwd=ROOT)
+    assert k.wait_for(lambda line: line.startswith("kvprop "), timeout=90) is not None, "".join(k.lines)
+    time.sleep(2)  # the worker is walking by now
+    os.kill(k.proc.pid, signal.SIGINT)
+    rc, stdout, stderr = k.finish(timeout=60)
+    assert (rc, "Traceback" in stderr) == (130, False), stdout + stderr
+
+
 # 18. bugs prints its header first ---------------------------------------------------------------
 
 

@@ -104,3 +104,20 @@ def test_a_fifo_is_refused_without_being_opened(tmp_path, command):
     os.mkfifo(fifo)
     r = kvprop(*command, str(fifo), cwd=tmp_path)  # opening it would block: the timeout would fail the test
     assert (r.returncode, "is not a regular file" in r.stderr) == (2, True), r.stderr
+
+
+def test_an_error_quoting_many_unknown_fields_names_the_first_few_and_counts_the_rest(tmp_path):
+    data = json.loads(TRACE.read_text())
+    data["config"].update({f"field{i:05d}": 0 for i in range(10_000)})
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(data))
+    r = kvprop("replay", str(path), cwd=tmp_path)
+    says = "unknown field(s) field00000, field00001, field00002, field00003, field00004, field00005, field00006, "
+    says += "field00007 and 9,992 more; allowed:"
+    assert (r.returncode, says in r.stderr, len(r.stderr) < 2_000) == (2, True, True), r.stderr[:500]
+
+
+def test_a_list_of_made_up_kinds_is_quoted_short(tmp_path):
+    names = ",".join(f"kind{i}" for i in range(5_000))
+    r = kvprop("fuzz", "--known", names, "--seconds", "1", cwd=tmp_path)
+    assert (r.returncode, "kind7 and 4,992 more" in r.stderr, len(r.stderr) < 4_000) == (2, True, True), r.stderr[:500]

@@ -331,8 +331,10 @@ class Checker(Hooks):
 STALLED_STEPS = 2  # steps in a row that left the engine's stall signature as it was
 
 
-def drain(engine, checker: Checker, max_steps: int | None = None) -> int:
+def drain(engine, checker: Checker, max_steps: int | None = None, on_step=None) -> int:
     """Stop arrivals and run to completion: loads resolve, every request ends, every block returns.
+    ``on_step()`` is called after each engine step (a supervised worker's heartbeat: a long
+    drain is progress, not a hang).
 
     The bound is generous (each step advances some request by a token unless it preempts),
     so exceeding it means the engine or the allocator stopped making progress; so does a run
@@ -354,6 +356,8 @@ def drain(engine, checker: Checker, max_steps: int | None = None) -> int:
         report = engine.step()
         steps += 1
         checker.check_all(engine)
+        if on_step is not None:
+            on_step()
         signature = engine.stall_signature(report)
         repeats = repeats + 1 if signature is not None and signature == last else 0
         last = signature

@@ -75,6 +75,8 @@ def sample_config(choose, shapes: Shapes = ANY_SHAPE) -> EngineConfig:
     enable_caching = choose.integer(0, 7) > 0
     token_budget, lookahead, connector = choose.integer(1, 64), choose.integer(0, 2), choose.pick(CONNECTORS)
     lookahead = lookahead if shapes.lookahead else 0
+    if connector != "off" and not shapes.local_with_connector:  # the same draws, full attention instead
+        groups = [FullAttention(bs) if isinstance(g, ChunkedLocal) else g for g in groups]
     # A state-space group in half the shapes without a connector, and in a quarter of those with
     # an asynchronous one and prefix caching (the only way vLLM's offloading connector takes a
     # state group), so the connector's attention-only shapes keep most of their draws.

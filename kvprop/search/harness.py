@@ -71,4 +71,5 @@ class Harness:
     def drain(self) -> int:
         if self.journal is not None:
             self.journal.drain()
+            return drain(self.engine, self.checker, on_step=self.journal.beat)
         return drain(self.engine, self.checker)

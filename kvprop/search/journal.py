@@ -15,6 +15,7 @@ Lines are plain text, not JSON, to cost a few microseconds an operation:
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -62,6 +63,10 @@ class Journal:
     def drain(self) -> None:
         self.file.write("drain\n")
         self.file.flush()
+
+    def beat(self) -> None:
+        """Progress inside one operation (each engine step of the drain): the heartbeat only."""
+        os.utime(self.file.fileno())
 
 
 @attrs.frozen

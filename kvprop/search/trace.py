@@ -13,7 +13,7 @@ import attrs
 
 from kvprop import __version__
 from kvprop.allocator.specs import AllocatorConfig, ChunkedLocal, EngineConfig, FullAttention, Mamba, SlidingWindow
-from kvprop.errors import KvpropError, TargetCrash
+from kvprop.errors import KvpropError, TargetCrash, bounded
 from kvprop.search import DRIVERS
 from kvprop.search.alphabet import OPERATION_BY_NAME
 
@@ -140,7 +140,7 @@ def _show(value) -> str:
 def _only(d: dict, allowed, where: str) -> None:
     unknown = sorted(set(d) - set(allowed))
     if unknown:
-        raise TraceError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+        raise TraceError(f"{where}: unknown field(s) {bounded(unknown)}; allowed: {', '.join(sorted(allowed))}")
 
 
 CONFIG_FIELDS = (

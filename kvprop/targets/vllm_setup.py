@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import attrs
 
-from kvprop.allocator.specs import EngineConfig, Mamba
+from kvprop.allocator.specs import AllocatorConfig, ChunkedLocal, EngineConfig, FullAttention, Mamba
 from kvprop.capabilities import Shapes
 from kvprop.errors import ConfigError
 from kvprop.targets.vllm import (
@@ -127,7 +127,25 @@ def scheduler_shapes() -> Shapes:
         eagle=False,
         drafts_within_budget=True,
         state_with_connector=_takes_connector_with_state_groups(),
+        local_with_connector=_builds(_LOCAL_WITH_CONNECTOR),
     )
+
+
+# A chunked-local group beside the offloading connector: 0.24.0's connector asserts every
+# group is full attention or a window (``get_sliding_window_size_in_blocks``); 0.34.0 takes it.
+_LOCAL_WITH_CONNECTOR = EngineConfig(
+    AllocatorConfig((ChunkedLocal(4, 8), FullAttention(4)), 16), token_budget=8, connector="async"
+)
+
+
+def _builds(config: EngineConfig) -> bool:
+    """Whether this release's own start-up builds a scheduler for ``config``: its validation
+    called, not re-implemented."""
+    try:
+        build_scheduler(config)
+    except ConfigError:
+        return False
+    return True
 
 
 def refusal(config: EngineConfig) -> str | None:
