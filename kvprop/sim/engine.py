@@ -212,7 +212,10 @@ class Engine:
     def is_admitted(self, request: Request) -> bool:
         return request.status in (Status.RUNNING, Status.LOADING, Status.LOADED, Status.ABORTING)
 
-    def _free(self, request: Request) -> None:
+    def release(self, request: Request) -> None:
+        """Give ``request``'s blocks back (finish, abort, preemption, a failed load): the seam a
+        scheduler target takes over with its own scheduler's free, and the canary's fault
+        (``kvprop.targets.canary``) skips once."""
         self.admitted_at.pop(request.request_id, None)
         self.boundary.free(request)
         for g in self.state_groups:
@@ -236,7 +239,7 @@ class Engine:
             return
         if request.status in (Status.RUNNING, Status.LOADED):
             (self.running if request.status is Status.RUNNING else self.loaded).remove(request)
-            self._free(request)
+            self.release(request)
         else:
             self.waiting.remove(request)
         self._retire(request, Status.ABORTED)
@@ -249,7 +252,7 @@ class Engine:
                 f"finish: request {request_id!r} is {request.status.value}, only running ones can finish"
             )
         self.running.remove(request)
-        self._free(request)
+        self.release(request)
         self._retire(request, Status.FINISHED)
 
     def preempt(self, request_id: str) -> None:
@@ -262,7 +265,7 @@ class Engine:
         self._preempt(request)
 
     def _preempt(self, request: Request) -> None:
-        self._free(request)
+        self.release(request)
         request.num_preemptions += 1
         self._wait_again(request, EV_PREEMPT)
 
@@ -298,7 +301,7 @@ class Engine:
         self.connector.finish_load(request_id, ok)
         del self.loading[request_id]
         if request.status is Status.ABORTING:
-            self._free(request)
+            self.release(request)
             self._retire(request, Status.ABORTED)
         elif ok:
             request.num_computed_tokens += request.pending_external
@@ -308,11 +311,11 @@ class Engine:
             self.loaded.sort(key=lambda r: self.admitted_at[r.request_id])
         elif self.config.load_failure_policy == "fail":
             # vLLM's default policy: the request ends with an error (FINISHED_ERROR)
-            self._free(request)
+            self.release(request)
             self._retire(request, Status.FAILED)
             self.events[EV_LOAD_FAIL] += 1
         else:
-            self._free(request)
+            self.release(request)
             request.load_failed = True
             self._wait_again(request, EV_LOAD_FAIL)
         request.pending_external = 0
@@ -685,7 +688,7 @@ class Engine:
                     if self.caches_after_output:
                         self.boundary.cache_blocks(request, request.num_computed_tokens)
                     self.running.remove(request)
-                    self._free(request)
+                    self.release(request)
                     self._retire(request, Status.FINISHED)
                     report.finished.append(rid)
                     continue

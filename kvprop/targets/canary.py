@@ -18,11 +18,11 @@ class LostFree:
 
     canary_fired = False
 
-    def _free(self, request) -> None:
+    def release(self, request) -> None:
         if not self.canary_fired:
             self.canary_fired = True
             return
-        super()._free(request)
+        super().release(request)
 
 
 def with_canary(engine_class: type) -> type:

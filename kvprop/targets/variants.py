@@ -126,7 +126,7 @@ class FreeDuringAsyncLoad(Engine):
     def abort(self, request_id):
         request = self.get(request_id)
         if request.status is Status.LOADING:
-            self._free(request)
+            self.release(request)
             self._retire(request, Status.ABORTED)
             return
         super().abort(request_id)

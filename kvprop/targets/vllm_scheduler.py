@@ -114,7 +114,7 @@ class SchedulerEngine(OffloadWorker, Engine):
             return result
 
         def free(vreq):
-            self._free(vreq)
+            self.release(vreq)
 
         self._real_free = real_free
         real_events = self._real_take_events = manager.take_events
@@ -200,9 +200,9 @@ class SchedulerEngine(OffloadWorker, Engine):
             local = computed - external
             self.hooks.at_handoff(self, request, tables, local, external)
 
-    def _free(self, vreq) -> None:
+    def release(self, vreq) -> None:
         """vLLM's scheduler frees ``vreq``: the manager frees it, then kvprop mirrors it (the
-        canary's mixin overrides this, as the engine's own ``_free``)."""
+        engine's ``release`` seam, which the canary's mixin takes over for either engine)."""
         self._real_free(vreq)
         self._hook(self._after_free, vreq)
 
