@@ -206,16 +206,24 @@ def scaling(quick: bool) -> list[dict]:
 
 
 def vllm(quick: bool) -> list[dict]:
-    """vLLM's allocator as the target (run from a vLLM environment, ``make vllm-env``): walk
-    throughput, and the engine step at two pool sizes with the view's change tracking by
-    snapshots and by watched blocks (``kvprop.targets.vllm.WATCH_FROM_BLOCKS``)."""
+    """vLLM's allocator as the target (run from a vLLM environment, ``make vllm-env``), measured
+    in a supervised worker (``kvprop.search.supervisor``): vLLM never runs in kvprop's process."""
+    from kvprop.search.supervisor import Supervisor
+
+    with Supervisor("vllm") as supervisor:
+        return supervisor.call(vllm_here, {"quick": quick}, progress=_progress)
+
+
+def vllm_here(quick: bool, journal=None, progress=_progress) -> list[dict]:
+    """In the worker: walk throughput, and the engine step at two pool sizes with the view's
+    change tracking by snapshots and by watched blocks (``kvprop.targets.vllm.WATCH_FROM_BLOCKS``)."""
     from kvprop.targets import vllm as target
 
     _walk_rate(0.01, False, None, target="vllm")  # imports vLLM (a ConfigError without it), not timed
     seconds, steps = (2.0, 20) if quick else (8.0, 60)
     rows = []
     for checks in (True, False):
-        _progress(f"vLLM target: walk, checks {'on' if checks else 'off'}")
+        progress(f"vLLM target: walk, checks {'on' if checks else 'off'}")
         rate, n = _walk_rate(seconds, checks, None, target="vllm")
         rows.append({"measure": f"walk, checks {'on' if checks else 'off'} (ops/s)", "value": round(rate), "steps": n})
     saved = target.WATCH_FROM_BLOCKS
@@ -224,7 +232,7 @@ def vllm(quick: bool) -> list[dict]:
             for watched in (False, True):
                 target.WATCH_FROM_BLOCKS = 0 if watched else 10**9
                 how = "watched blocks" if watched else "snapshots"
-                _progress(f"vLLM target: {num_blocks} blocks, 64 live, {how}")
+                progress(f"vLLM target: {num_blocks} blocks, 64 live, {how}")
                 row = _scaling_row(num_blocks, 64, steps, target="vllm")
                 rows.append(
                     {

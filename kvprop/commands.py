@@ -669,7 +669,16 @@ def cmd_targets(args) -> int:
 
 def cmd_bench(args) -> int:
     from kvprop import bench
+    from kvprop.search.supervisor import Died
 
+    try:
+        return _bench(bench, args)
+    except Died as died:  # vLLM died or hung under measurement: a find like any other
+        args.out = "counterexamples"
+        return _died(args, died, "bench")
+
+
+def _bench(bench, args) -> int:
     return bench.main(
         quick=args.quick, as_json=args.json, parts=args.parts or bench.DEFAULT_PARTS, baseline=args.baseline
     )
