@@ -25,8 +25,10 @@ setup: $(STAMP)
 # file's module fixtures run once; TEST_WORKERS=0 runs it in this process alone.
 TEST_WORKERS ?= auto
 
-# The target contract and the supervised workers are typed: mypy holds them (and what they import) to it.
-TYPED := kvprop/targets/protocol.py kvprop/targets/__init__.py kvprop/capabilities.py kvprop/search/supervisor.py kvprop/search/journal.py
+# The target contract, the modules that use it and the supervised workers are typed: mypy holds them to it.
+TYPED := kvprop/targets/protocol.py kvprop/capabilities.py kvprop/targets/__init__.py kvprop/targets/vllm.py \
+	kvprop/targets/vllm_setup.py kvprop/targets/vllm_scheduler.py kvprop/commands.py examples/toy_allocator.py \
+	kvprop/search/supervisor.py kvprop/search/journal.py
 
 test: $(STAMP)
 	$(BIN)/ruff check kvprop tests bench examples

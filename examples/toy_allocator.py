@@ -85,8 +85,8 @@ class ToyAllocator:
             return
         start, full = self.num_cached[request.request_id], num_computed_tokens // self.block_size
         for i, block in enumerate(self.tables[request.request_id][start:full], start):
-            block.key = request.block_hashes[i]
-            self.cache.setdefault(block.key, {})[block.block_id] = block
+            block.key = key = request.block_hashes[i]
+            self.cache.setdefault(key, {})[block.block_id] = block
         self.num_cached[request.request_id] = max(start, full)
 
     def free(self, request) -> None:

@@ -354,7 +354,8 @@ def _canary(args) -> bool:
             f"refusing to fuzz (the checks would not find a real bug either)",
         )
         return False
-    _say(args, f"canary ok: found {result.found.failure.kind} in {result.seconds_to_find:.2f}s")
+    seconds = result.seconds_to_find or 0.0
+    _say(args, f"canary ok: found {result.found.failure.kind if result.found.failure else '?'} in {seconds:.2f}s")
     return True
 
 
@@ -507,8 +508,8 @@ def cmd_bugs(args) -> int:
                 "variant": name,
                 "driver": args.driver,
                 "found": result.found is not None,
-                "kind": best.failure.kind if best else None,
-                "seconds": round(result.seconds_to_find, 3) if result.found else None,
+                "kind": best.failure.kind if best and best.failure else None,
+                "seconds": round(result.seconds_to_find or 0.0, 3) if result.found else None,
                 "runs": result.runs if result.found else None,
                 "steps": result.steps if result.found else None,
                 "minimised_steps": trace_length(best) if best else None,

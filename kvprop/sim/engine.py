@@ -106,7 +106,10 @@ class Engine:
     # What an engine whose own scheduler is in charge may not do, as the drivers ask it
     # (kvprop.targets.vllm_scheduler says why for vLLM's): preempt when asked, fail a load.
     preempts_on_request = True
-    fails_loads = True
+
+    @property
+    def fails_loads(self) -> bool:
+        return True
 
     def __init__(
         self,
@@ -165,7 +168,7 @@ class Engine:
         # mamba_utils: the state after the computed tokens is at column + offset).
         self.worker_tables: dict[tuple[str, int], list[int]] = {}
         self.state_columns: dict[tuple[str, int], tuple[int, int]] = {}
-        self.last_hits = None  # (request id, hits, hit tokens) of the latest admission with a hit
+        self.last_hits: tuple | None = None  # (request id, hits, hit tokens) of the latest admission with a hit
 
     # ---- requests -------------------------------------------------------------------
 

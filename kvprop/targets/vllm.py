@@ -29,6 +29,7 @@ import logging
 import os
 import warnings
 from types import SimpleNamespace
+from typing import Any
 
 from kvprop.allocator.events import Cleared, Reannounced, Removed, Stored
 from kvprop.allocator.specs import (
@@ -622,12 +623,12 @@ class VllmAllocator:
         """vLLM's KV cache events in kvprop's terms (``take_events``)."""
         ev = self.v.kv_events
         kinds = ((ev.BlockStored, Stored), (ev.BlockRemoved, Removed))
-        out = []
+        out: list = []
         for event in events:
             if isinstance(event, ev.AllBlocksCleared):
                 out.append(Cleared())
                 continue
-            kind = next((ours for theirs, ours in kinds if isinstance(event, theirs)), None)
+            kind: Any = next((ours for theirs, ours in kinds if isinstance(event, theirs)), None)
             if kind is None:
                 raise TypeError(f"an unknown KV cache event from vLLM {self.v.version}: {event!r}")
             if self._reannounced.pop(id(event), None) is event:
@@ -780,7 +781,8 @@ class VllmView:
 
     def _walk(self, start, step: str, stop, limit: int) -> list[int]:
         """Block ids along the free list's links; stops after ``limit`` so a cycle shows as repeats."""
-        out, block = [], start
+        out: list[int] = []
+        block = start
         while block is not None and block is not stop and len(out) < limit:
             out.append(block.block_id)
             block = getattr(block, step)
@@ -855,7 +857,7 @@ class VllmView:
             self._written.clear()
             return changed
         states = self._block_states()
-        changed = {i for i, (old, new) in enumerate(zip(self._states, states, strict=True)) if old != new}
+        changed = {i for i, (old, new) in enumerate(zip(self._states or (), states, strict=True)) if old != new}
         self._states = states
         return changed
 
