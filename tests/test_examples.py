@@ -14,26 +14,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_cli import ROOT, kvprop
 
 from kvprop.allocator.specs import AllocatorConfig, ChunkedLocal, FullAttention, Mamba, SlidingWindow
 from kvprop.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parent.parent
 TOY = ROOT / "examples" / "toy_allocator.py"
 CORRECT = "examples.toy_allocator:TARGET"
 BROKEN = "examples.toy_allocator:BROKEN_TARGET"
 BARE = "examples.toy_allocator:make_target"
-
-
-def kvprop(*args, cwd=None, env=None):
-    return subprocess.run(
-        [sys.executable, "-m", "kvprop", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
-        timeout=900,
-    )
 
 
 def fuzz_json(tmp_path, target: str, seed: int, max_runs: int):

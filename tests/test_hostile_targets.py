@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from test_cli import ROOT
+from test_cli import kvprop as cli
 
 MODULE = """
 import os, signal, sys, time
@@ -62,14 +60,8 @@ def write_target(tmp_path: Path, at_import="pass", in_factory="pass", in_call="p
 
 
 def kvprop(tmp_path: Path, *args):
-    return subprocess.run(
-        [sys.executable, "-m", "kvprop", *args],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"},
-        timeout=300,
-    )
+    """``kvprop`` run in ``tmp_path``, where the test writes its target module."""
+    return cli(*args, cwd=tmp_path, env={"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"})
 
 
 def fuzz(tmp_path: Path, target: str, *more):

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from test_cli import ROOT
+from test_cli import kvprop as cli
 
-ROOT = Path(__file__).resolve().parent.parent
 TRACE = ROOT / "tests" / "data" / "one-token-reload-uncached.json"
 
 WRITER = """
@@ -30,14 +29,8 @@ def make_target(config):
 
 
 def kvprop(*args, cwd):
-    return subprocess.run(
-        [sys.executable, "-m", "kvprop", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{cwd}"},
-        timeout=300,
-    )
+    """``kvprop`` run in ``cwd``, where the test writes its target module."""
+    return cli(*args, cwd=cwd, env={"PYTHONPATH": f"{ROOT}{os.pathsep}{cwd}"})
 
 
 def write_trace(tmp_path: Path, **changes) -> Path:
