@@ -7,7 +7,7 @@ FUZZ_SECONDS ?= 180
 FUZZ_ARGS ?=
 PROFILE ?= ci
 
-.PHONY: all setup test fuzz repro bench bench-quick lint clean vllm-env test-vllm vllm-matrix
+.PHONY: all setup test test-fast fuzz repro bench bench-quick lint clean vllm-env test-vllm vllm-matrix
 
 all: test
 
@@ -34,6 +34,17 @@ test: $(STAMP)
 	$(BIN)/ruff check kvprop tests bench examples
 	$(BIN)/mypy --follow-imports=silent --ignore-missing-imports $(TYPED)
 	KVPROP_PROFILE=$(PROFILE) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+
+# The unit tests of each layer, in well under two minutes: the tier to run while editing.
+# `make test` runs these and the end-to-end tests (the command line, targets in worker
+# processes, searches from scratch) that CI runs.
+FAST_TESTS := $(addprefix tests/test_,block_pool coordinator managers mamba checkpoints partial_hits eagle \
+	speculative retention reference_scenarios engine events full_report same_step_copy incremental kinds \
+	regressions bad_input trace profiles layers protocol custom_target)
+FAST_TESTS := $(addsuffix .py,$(FAST_TESTS))
+
+test-fast: $(STAMP)
+	KVPROP_PROFILE=$(PROFILE) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(FAST_TESTS)
 
 fuzz: $(STAMP)
 	$(BIN)/kvprop fuzz --seconds $(FUZZ_SECONDS) $(FUZZ_ARGS)

@@ -101,7 +101,7 @@ step "base pins (--no-deps, ${#DEPS[@]} pins)"
 # 4. kvprop from this repository (editable, so the checkout is what runs) and its test
 #    tooling. --no-deps: its torch/numpy requirements are already met by the pins above.
 #    Installed before the closure loop, whose check runs kvprop's own vllm target.
-pipq hypothesis pytest coverage attrs==26.1.0
+pipq hypothesis==6.170.17 pytest==9.2.0 coverage==7.17.5 attrs==26.1.0
 pipq --no-deps -e "$REPO"
 step "kvprop (editable, --no-deps) + hypothesis, pytest, coverage, attrs"
 fi
