@@ -319,7 +319,7 @@ def _fmt(v) -> str:
     return str(v)
 
 
-CROSS_GROUP = "interleaved-external-alloc"  # the motivating bug: the speed issue's time-to-find rows
+CROSS_GROUP = "interleaved-external-alloc"  # the motivating bug: the targets table's time-to-find rows
 
 
 def _rate(rows, driver) -> float | None:
@@ -332,8 +332,8 @@ def _cell(rows, blocks, live, tokens="share", shape="fa+swa") -> dict | None:
 
 
 def targets(quick: bool, result: dict) -> list[dict]:
-    """The speed issue's rows from the measurements above (measuring what is missing), each
-    with its target and whether this run meets it."""
+    """The speed targets, each from the measurements above (measuring what is missing), with
+    its target and whether this run meets it."""
     tp = result.get("throughput") or throughput(quick)
     sc = result.get("scaling") or scaling(quick)
     found = [r for r in result.get("time_to_find", ()) if r["variant"] == CROSS_GROUP]

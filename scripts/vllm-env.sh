@@ -4,7 +4,7 @@
 # Build a CPU-only virtual environment at DIR (default: .venv-vllm-VERSION in the repo)
 # in which kvprop can drive vLLM's own v1 KVCacheManager (`--target vllm`).
 #
-# - torch is the CPU build 2.13.0+cpu from /opt/wheels (pip's configured find-links);
+# - torch is the CPU build 2.13.0+cpu (pip's configured index serves it);
 #   the "+cpu" local label means pip can never pick a same-numbered CUDA build.
 # - vLLM and its import closure go in with --no-deps: resolving vLLM's own dependencies
 #   would pull a CUDA torch and triton (gigabytes). Base pins (known to work together)
@@ -49,7 +49,7 @@ fi
 
 start=$(date +%s)
 _last=$start
-# pip install, quiet; drops pip's noise about this machine's absent file:// index
+# pip install, quiet; drops pip's noise about absent file:// index
 # folders ("... is ignored: it is neither a file nor a directory") but keeps pip's
 # exit status.
 pipq() {

@@ -19,7 +19,7 @@ def test_default_device_is_cuda_when_present_else_cpu():
     assert pick_device().type == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
 def test_asking_for_cuda_without_one_is_a_clear_error():
     with pytest.raises(ConfigError, match="requested but torch sees no CUDA device"):
         pick_device("cuda")

@@ -267,7 +267,7 @@ LOAD_AND_DECODE = Path(__file__).parent / "data" / "load-and-decode-preempt-each
 
 
 def test_a_load_waits_while_a_running_request_needs_its_next_drafts():
-    """A walk (stop 26): with drafts, a load admitted while a request decodes took the blocks
+    """A walker's find: with drafts, a load admitted while a request decodes took the blocks
     its next verification step needed; each preempted the other one token from its end,
     forever. The engine keeps those blocks back while a request runs (``draft_step_blocks``)."""
     from kvprop.search.execute import execute

@@ -532,7 +532,7 @@ class Engine:
         its scratch columns already), kept back beside an async load's own need while a request
         runs, so that it can still take its next step: without it a load and a decoding request
         can preempt each other forever (two requests, each admitted with a load while the other
-        runs, each preempted one token from its end; found by the walker at stop 26). vLLM
+        runs, each preempted one token from its end; a walker's find). vLLM
         0.33.0 keeps them back always (``Scheduler._spec_decode_step_blocks``); with nothing
         running, kvprop's engine does not, so that a load alone in the pool is always admitted
         (``add_request`` takes only requests whose whole sequence fits)."""
