@@ -16,9 +16,9 @@ import traceback
 
 from kvprop import __version__, interrupt
 from kvprop.errors import KvpropError
+from kvprop.exits import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE
 from kvprop.search import CALL_TIMEOUT, DRIVERS  # imports nothing else: the CLI measures what it runs
 
-EXIT_CLEAN, EXIT_FOUND, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 MAX_OPS = 10_000
 MAX_SEED = 2**63 - 1
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import attrs
 
 from kvprop import __version__, interrupt
-from kvprop.cli import EXIT_CLEAN, EXIT_FOUND, EXIT_INTERRUPTED, EXIT_USAGE
 from kvprop.errors import ConfigError
+from kvprop.exits import EXIT_CLEAN, EXIT_FOUND, EXIT_INTERRUPTED, EXIT_USAGE
 
 PROGRESS_EVERY = 1.0
 

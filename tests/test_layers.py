@@ -17,6 +17,7 @@ FOUNDATION = {
     "kvprop.errors",
     "kvprop.interrupt",
     "kvprop.capabilities",
+    "kvprop.exits",
 }  # the version string, the shared exceptions, the interrupt flag and what a target declares, below every layer
 
 
@@ -72,3 +73,37 @@ def test_reading_a_trace_or_building_the_allocator_needs_neither_torch_nor_the_e
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the kvprop modules it imports, wherever in it the import stands."""
+    names = {name for name, _ in modules()}
+
+    def module_of(imported: str) -> str | None:
+        while imported and imported not in names:
+            imported = imported.rpartition(".")[0]
+        return imported or None
+
+    return {
+        name: {m for i in imports_of(path) if (m := module_of(i)) is not None and m != name}
+        for name, path in modules()
+    }
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    graph, circles = import_graph(), []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                circles.append(" -> ".join(path[path.index(nxt) :] + [node, nxt]) if nxt in path else f"{node} -> {nxt}")
+            elif nxt not in state:
+                visit(nxt, [*path, node])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    assert circles == []

@@ -25,6 +25,7 @@ from kvprop.allocator.specs import (
     eagle_problem,
 )
 from kvprop.capabilities import ANY_SHAPE, Shapes
+from kvprop.search.tokens import fresh_tokens
 
 if TYPE_CHECKING:
     from kvprop.search.harness import Harness
@@ -160,15 +161,6 @@ def _retention(choose, groups, bs: int) -> int | None:
 # ---- operations -------------------------------------------------------------------------
 
 
-def fresh_tokens(seed: int, n: int, vocab: int) -> list[int]:
-    state = seed * 2654435761 + 12345
-    out = []
-    for _ in range(n):
-        state = (state * 1103515245 + 12345) & 0x7FFFFFFF
-        out.append((state >> 16) % vocab)
-    return out
-
-
 @attrs.frozen
 class AddRequest:
     """A new request: an earlier prompt less its last ``cut`` tokens, then ``extra`` fresh ones."""
@@ -292,15 +284,6 @@ class Misuse:
         from kvprop.sim.engine import MISUSES
 
         return h.engine.misuse(MISUSES[self.call], self.index)
-
-
-def show_tokens(tokens: list[int]) -> str:
-    """A prompt as a person reads it in a step log: short ones whole, long ones abridged."""
-    if len(tokens) <= 16:
-        return str(tokens)
-    head = ", ".join(map(str, tokens[:8]))
-    tail = ", ".join(map(str, tokens[-4:]))
-    return f"[{head}, ... {len(tokens) - 12} more ..., {tail}] ({len(tokens)} tokens)"
 
 
 def _pick(ids, index):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvprop.allocator.specs import EngineConfig
 from kvprop.check.checker import Checker, drain
 from kvprop.errors import LimitError, RequestError
-from kvprop.search.alphabet import fresh_tokens, show_tokens
+from kvprop.search.tokens import fresh_tokens, show_tokens
 from kvprop.targets import build_engine
 
 # The prompts a trace derives, all together: far beyond what a walk produces, well within memory.
