@@ -75,12 +75,16 @@ VLLM_VERSIONS ?= 0.23.0 0.24.0 0.34.0
 vllm-env:
 	bash scripts/vllm-env.sh $(VLLM_VERSION)
 
+# VLLM_ENVS: where each release's environment is, as a prefix of its folder (CI keeps them in a
+# cache outside the checkout). There the vLLM tests never skip: without vLLM they fail.
+VLLM_ENVS ?= .venv-vllm-
+
 test-vllm:
 	@set -e; for v in $(VLLM_VERSIONS); do \
-		bash scripts/vllm-env.sh $$v; \
+		bash scripts/vllm-env.sh $$v $(VLLM_ENVS)$$v; \
 		echo "== vLLM $$v"; \
-		VLLM_LOGGING_LEVEL=ERROR PYTHONWARNINGS=ignore KVPROP_PROFILE=$(PROFILE) \
-			.venv-vllm-$$v/bin/python -m pytest -m vllm tests/test_vllm_target.py tests/test_vllm_scheduler.py; \
+		VLLM_LOGGING_LEVEL=ERROR PYTHONWARNINGS=ignore KVPROP_PROFILE=$(PROFILE) KVPROP_REQUIRE_VLLM=1 \
+			$(VLLM_ENVS)$$v/bin/python -m pytest -m vllm tests/test_vllm_target.py tests/test_vllm_scheduler.py; \
 	done
 
 # Per release: build, the vLLM tests, a fixed walk budget (300 runs, seed 0); one table row

@@ -36,6 +36,12 @@ kvprop_ok() {
 # stamped for the manager alone keeps its packages and reruns the closure loop (step 5).
 STAMP="$VERSION scheduler"
 REUSE=
+# An environment built for this release from another checkout (a cache shared by clones):
+# only kvprop is installed again, from this one.
+if [ -e "$DIR/.ok" ] && [ "$(cat "$DIR/.ok")" = "$STAMP" ] && ! kvprop_ok; then
+  "$PY" -m pip install --disable-pip-version-check -q --no-deps -e "$REPO" 2>&1 | grep -v 'is ignored' || true
+  kvprop_ok && { echo "vllm-env: $DIR set up for vllm $VERSION; kvprop installed from $REPO"; exit 0; }
+fi
 if [ -e "$DIR/.ok" ] && kvprop_ok; then
   # coverage.py joined the test tooling later: an environment built before gets it here
   "$PY" -c 'import coverage' 2>/dev/null \
@@ -79,8 +85,8 @@ step "torch 2.13.0+cpu (+ its small deps)"
 pipq --no-deps "vllm==$VERSION"
 step "vllm==$VERSION (--no-deps)"
 
-# 3. Base pins: the import closure found on 0.23.0 and 0.24.0 (see
-#    /work/shared/vllm-on-cpu.md), at versions known to work together. Step 5 adds
+# 3. Base pins: the import closure found on 0.23.0 and 0.24.0, at versions known to
+#    work together. Step 5 adds
 #    whatever else a release imports, so nothing here is release-specific.
 DEPS=(
   numpy==2.4.6 packaging==26.4 psutil==7.2.2 pyzmq==27.3.0 urllib3==2.8.0

@@ -1,4 +1,4 @@
-"""Every exact case of /work/shared/reference-scenarios.md, with its block ids and queue orders.
+"""Every exact case of docs/reference-scenarios.md, with its block ids and queue orders.
 
 Block ids start at 1; NULL (0) is the doc's "-". The broader unit cases around each rule
 live in test_managers.py and test_coordinator.py.
