@@ -14,8 +14,9 @@ the run in progress (``kvprop.search.journal``), and is judged by the parent:
 
 As AFL and libFuzzer treat a crashing or hanging target: a find with its input saved, never
 an error of the harness. ``Supervisor`` runs single executions (replay, minimising, the
-probe, the shared store's traces) in one worker it restarts after each death; the fuzz
-workers (``kvprop.search.fuzz``) use the same set-up and the same judgement.
+probe, the shared store's traces) and whole commands that drive a target (``call``: agree,
+coverage, bench's vLLM part) in one worker it restarts after each death; the fuzz workers
+(``kvprop.search.fuzz``) use the same set-up and the same judgement.
 """
 
 from __future__ import annotations
