@@ -126,6 +126,7 @@ def cmd_fuzz(args) -> int:
     if args.known and args.driver != "walk":
         raise ConfigError(f"--known keeps searching past a find, which only the walk driver does, not {args.driver!r}")
     out = counterexample.check_out(Path(args.out))
+    args.logs = {}  # a find's trace -> where the target's output in its run is kept
     with _supervisor(args, args.variant, args.target) as supervisor:
         dead = supervisor.probe()
     if dead is not None:  # the target died or hung while being built: a find before any search
@@ -161,11 +162,8 @@ def cmd_fuzz(args) -> int:
         known = " (a known kind: the search goes on)" if trace.failure.kind in args.known else ""
         _say(args, f"found {trace.failure.kind} (seed {trace.seed}); saved {saved[name]}{known}")
         if log is not None:
-            logs[trace] = counterexample.keep_log(Path(log), out, name)
-            _say(args, f"  the target's output in that run: {logs[trace]}")
-
-    logs: dict = {}
-    args.logs = logs
+            args.logs[trace] = counterexample.keep_log(Path(log), out, name)
+            _say(args, f"  the target's output in that run: {args.logs[trace]}")
 
     try:
         result = fuzz.search(opts, status=lambda line: _say(args, line), on_find=on_find, started=args.started)
@@ -290,7 +288,7 @@ def _write_find(args, result, out, summary, name, best, interrupted, supervisor)
         "operations_minimised": len(best.steps),
         "trace": str(trace_path),
         "test": str(test_path),
-        "log": str(getattr(args, "logs", {}).get(found)) if getattr(args, "logs", {}).get(found) else None,
+        "log": str(args.logs[found]) if found in args.logs else None,
     }
     _emit_json(args, summary, verdict="found")
     return EXIT_FOUND
@@ -315,9 +313,7 @@ def _died(args, died, command: str) -> int:
     print(f"FOUND {trace.failure.kind} while {command} ran the target: {trace.failure.message}", file=sys.stderr)
     print(f"saved {path}\nreplay: {_replay_line(path, trace)}", file=sys.stderr)
     if died.log is not None:
-        kept = out / f"{name}.log"
-        shutil.copyfile(died.log, kept)
-        print(f"the target's output in that run: {kept}", file=sys.stderr)
+        print(f"the target's output in that run: {counterexample.keep_log(died.log, out, name)}", file=sys.stderr)
     return EXIT_FOUND
 
 

@@ -183,9 +183,9 @@ def _probe(target: str, variant: str | None) -> None:
     from kvprop.targets import build_engine, shapes_of
 
     first_refusal = None
-    shapes = shapes_of(target) if target not in (None, "kvprop") else None
+    shapes = shapes_of(None if target == "kvprop" else target)
     for seed in range(PROBE_SEEDS):
-        config = sample_config(RandomChooser(random.Random(seed)), *(() if shapes is None else (shapes,)))
+        config = sample_config(RandomChooser(random.Random(seed)), shapes)
         try:
             build_engine(config, variant=variant, target=None if target == "kvprop" else target)
         except ConfigError as e:

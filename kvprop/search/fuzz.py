@@ -116,7 +116,7 @@ def _walk_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: int, f
             runs, steps, events, refused, last = 0, 0, set(), Counter(), time.monotonic()
         if result.failure is not None:
             found = tr.to_dict(attrs.evolve(result.trace, failure=result.failure))
-            log = _keep_log(files, index, i)
+            log = _copy_log(files, index, i)
             if result.failure.kind not in opts.known:
                 out.put(("failure", i, index, found, log))
                 return
@@ -125,9 +125,9 @@ def _walk_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: int, f
     out.put(("progress", runs, steps, events, refused))
 
 
-def _keep_log(files: Path, index: int, i: int) -> str | None:
+def _copy_log(files: Path, index: int, i: int) -> str | None:
     """A copy of what the target printed in this run, before the next run's output replaces it."""
-    kept = sv.keep_log(files / f"w{index}.log", files, f"find-w{index}-{i}")
+    kept = sv.copy_log(files / f"w{index}.log", files, f"find-w{index}-{i}")
     return str(kept) if kept else None
 
 
@@ -194,7 +194,7 @@ def _hypothesis_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: 
                     break  # Hypothesis may wrap the _Stop that ended the run
                 out.put(("crash", f"worker {index}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
                 return
-            log = _keep_log(files, index, i)
+            log = _copy_log(files, index, i)
             out.put(("failure", i, index, tr.to_dict(attrs.evolve(failure_trace(machine), seed=s)), log))
             return
         i += 1
@@ -414,7 +414,7 @@ def _judge_workers(opts: FuzzOptions, workers: dict, tally, files: Path, out, sp
             tally.target_error = tally.target_error or str(e)
             continue
         tally.runs, tally.steps = tally.runs + 1, tally.steps + len(found.steps)  # the run it died in
-        log = sv.keep_log(files / f"w{index}.log", files, f"death-w{index}")
+        log = sv.copy_log(files / f"w{index}.log", files, f"death-w{index}")
         walk = walk or 0
         if found.failure.kind in opts.known and opts.driver == "walk":
             tally.known_find(found, None if log is None else str(log))

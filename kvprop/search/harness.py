@@ -69,7 +69,7 @@ class Harness:
         return outcome
 
     def drain(self) -> int:
-        if self.journal is not None:
-            self.journal.drain()
-            return drain(self.engine, self.checker, on_step=self.journal.beat)
-        return drain(self.engine, self.checker)
+        if self.journal is None:
+            return drain(self.engine, self.checker)
+        self.journal.drain()
+        return drain(self.engine, self.checker, on_step=self.journal.beat)

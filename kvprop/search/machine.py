@@ -194,7 +194,7 @@ def machine_for(
             "events_seen": set(),
             "failures": [],
             "counters": {"examples": 0, "steps": 0, "refused": Counter()},
-            "shapes": ANY_SHAPE if target in (None, "kvprop") else shapes_of(target),
+            "shapes": shapes_of(target),
         },
     )
 

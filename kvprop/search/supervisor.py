@@ -158,10 +158,11 @@ def escaped(error: BaseException) -> None:
     os._exit(128 + signal.SIGINT)
 
 
-def keep_log(log_path: Path, out: Path | None, name: str) -> Path | None:
-    """The target's output of a find's run, beside the find (``<name>.log``); None if it printed nothing."""
+def copy_log(log_path: Path, out: Path, name: str) -> Path | None:
+    """A copy of what the target printed in this run, as ``out/<name>.log``, before the next run
+    truncates the log; None if it printed nothing."""
     try:
-        if out is None or os.path.getsize(log_path) == 0:
+        if os.path.getsize(log_path) == 0:
             return None
         kept = Path(out) / f"{name}.log"
         shutil.copyfile(log_path, kept)
@@ -221,10 +222,8 @@ def _serve(conn, target, variant, device, journal_path: Path, log_path: Path, pa
                     journal=journal,
                 )
                 conn.send(("ok", (attrs.asdict(failure) if failure else None, tuple(lines), frozenset(events))))
-            except TargetError as e:
-                conn.send(("target-error", str(e)))
-            except KvpropError as e:
-                conn.send(("kvprop-error", f"{type(e).__name__}\n{e}"))
+            except KvpropError as e:  # the target unusable, a configuration refused, a bad trace: raised there
+                conn.send(("error", _portable(e)))
             except (SystemExit, KeyboardInterrupt) as e:
                 escaped(e)
             except Exception as e:  # noqa: BLE001 - an error of kvprop itself, reported to the parent
@@ -233,6 +232,14 @@ def _serve(conn, target, variant, device, journal_path: Path, log_path: Path, pa
                 conn.send(("internal", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     except (SystemExit, KeyboardInterrupt) as e:
         escaped(e)
+
+
+def _portable(error: KvpropError) -> KvpropError:
+    """``error`` as it crosses the pipe: of its own type where that takes a message alone."""
+    try:
+        return type(error)(str(error))
+    except TypeError:
+        return KvpropError(str(error))
 
 
 def _recorder(lines: list):
@@ -254,16 +261,14 @@ def _call(conn, journal, function, options: dict):
 def load_target_here(journal, target, variant):
     """Import ``target`` and read the shapes it declares, inside a journalled run (the first
     sampled configuration, which the import does not depend on): a hang or a death while
-    importing is judged like one while building. The shapes, or None for kvprop's own."""
+    importing is judged like one while building. The shapes it declares."""
     import random
 
     from kvprop.search.alphabet import RandomChooser, sample_config
     from kvprop.search.trace import Trace
     from kvprop.targets import shapes_of
 
-    if target in (None, "kvprop"):
-        return None
-    if journal is not None:
+    if journal is not None and target not in (None, "kvprop"):  # kvprop's own imports nothing
         config = sample_config(RandomChooser(random.Random(0)))
         journal.begin(Trace(config=config, steps=(), variant=variant, target=target, seed=0))
     return shapes_of(target)
@@ -280,7 +285,7 @@ def probe_here(journal, target, variant, device, attempts: int) -> str | None:
     first = None
     shapes = load_target_here(journal, target, variant)
     for i in range(attempts):
-        config = sample_config(RandomChooser(random.Random(i)), *(() if shapes is None else (shapes,)))
+        config = sample_config(RandomChooser(random.Random(i)), shapes)
         if journal is not None:
             journal.begin(Trace(config=config, steps=(), variant=variant, target=target, seed=i))
         try:
@@ -316,7 +321,6 @@ class Supervisor:
         self.log_path = self.dir / "target.log"
         self.proc: Any = None  # the worker process, started on the first request
         self.conn: Any = None
-        self.deaths = 0
 
     def __enter__(self) -> Supervisor:
         return self
@@ -382,18 +386,14 @@ class Supervisor:
                 return self._died(hung=idle)
 
     def _died(self, exitcode=None, hung=None):
-        self.deaths += 1
         found, _ = judge(self.journal_path, exitcode=exitcode, hung=hung)
         self.proc = None
         return ("died", found)
 
     def _answer(self, answer):
         kind, payload = answer
-        if kind == "target-error":
-            raise TargetError(payload)
-        if kind == "kvprop-error":
-            name, _, message = payload.partition("\n")
-            raise (TargetError if name == "TargetError" else ConfigError)(message)
+        if kind == "error":
+            raise payload
         if kind == "internal":
             raise RuntimeError(payload)
         return payload

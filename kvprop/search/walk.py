@@ -102,7 +102,7 @@ def run_walk(
     (``ConfigError`` from its factory) is refused: zero steps, no failure, and the reason is
     reported (never a silent skip). ``journal`` (in a supervised worker) records the walk as it
     goes, with ``index``, its place in the worker's walks."""
-    begun = start(seed, max_ops, num_blocks, ANY_SHAPE if target in (None, "kvprop") else shapes_of(target))
+    begun = start(seed, max_ops, num_blocks, shapes_of(target))
     if journal is not None:
         header = Trace(config=begun.config, steps=(), seed=seed, driver="walk", variant=variant, target=target)
         journal.begin(header, index)

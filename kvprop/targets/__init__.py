@@ -20,7 +20,7 @@ import sys
 
 import attrs
 
-from kvprop.capabilities import NONE, Shapes
+from kvprop.capabilities import NONE, Capabilities, Shapes
 from kvprop.errors import ConfigError, TargetError
 from kvprop.sim.engine import Engine
 from kvprop.targets.protocol import (
@@ -77,7 +77,11 @@ def load_target(target) -> Target:
 
 def load_factory(target):
     """The factory ``target`` names (imported in a supervised worker)."""
-    described = load_target(target)
+    return factory_of(load_target(target))
+
+
+def factory_of(described: Target):
+    """A declaration's factory: the callable itself, or the one its ``module:attribute`` names."""
     if callable(described.factory):
         return described.factory
     module_name, _, attr = described.factory.partition(":")
@@ -86,8 +90,9 @@ def load_factory(target):
 
 @functools.cache
 def shapes_of(target) -> Shapes:
-    """The configurations ``target`` declares it builds (every one for a bare factory); for a
-    release-dependent target, computed from the release installed (this imports it)."""
+    """The configurations ``target`` declares it builds (every one for kvprop's own and for a
+    bare factory); for a release-dependent target, computed from the release installed (this
+    imports it)."""
     shapes = load_target(target).shapes
     if isinstance(shapes, str):
         module_name, _, attr = shapes.partition(":")
@@ -95,10 +100,11 @@ def shapes_of(target) -> Shapes:
     return shapes
 
 
-def check_built(target: str, built) -> Built:
-    """What a factory returned, as a ``Built``: a ``Built`` holds its own declaration, a plain
-    ``(allocator, view)`` pair declares nothing beyond the required calls. A ConfigError names
-    what is missing (a wiring mistake, not a bug found)."""
+def check_built(target: str, built, declared: Capabilities | None = None) -> Built:
+    """What a factory returned, as a ``Built`` held to its declaration: a ``Built`` carries its
+    own, a plain ``(allocator, view)`` pair the one ``declared`` beside the factory (a
+    ``Target``'s), or nothing beyond the required calls. A ConfigError names what is wrong or
+    missing (a wiring mistake, not a bug found)."""
     if isinstance(built, tuple) and len(built) == 2:
         built = Built(*built)
     if not isinstance(built, Built):
@@ -106,7 +112,9 @@ def check_built(target: str, built) -> Built:
             f"target {target!r}: factory(config) must return Built(allocator, view, capabilities) or "
             f"(allocator, view), got {type(built).__name__}: {built!r:.200}"
         )
-    return built
+    if declared is not None and built.capabilities is NONE:
+        built = attrs.evolve(built, capabilities=declared)
+    return check_declared(target, built)
 
 
 def _call_factory(target: str, factory, *args, **kwargs):
@@ -125,21 +133,17 @@ def build_engine(config, variant=None, target=None, device=None, hooks=None, can
     ``canary`` the engine carries the canary fault (``kvprop.targets.canary``)."""
     from kvprop.targets.canary import with_canary
 
-    described = resolve(target)
+    described = load_target(target)
     if described.name == "kvprop":
         from kvprop.targets.kvprop import build_kvprop_engine
 
         return build_kvprop_engine(config, variant, device=device, hooks=hooks, wrap=with_canary if canary else None)
     if variant not in (None, "correct"):
         raise ConfigError(f"variant {variant!r} applies to the kvprop target only, not to target {target!r}")
-    described = load_target(target)
-    factory = load_factory(target)
+    factory = factory_of(described)
     if described.own_scheduler:  # it builds the whole engine, its own scheduler in charge
         return _call_factory(target, factory, config, device=device, hooks=hooks, canary=canary)
-    built = check_built(target, _call_factory(target, factory, config.allocator))
-    if described.capabilities is not None and built.capabilities is NONE:  # declared beside the factory
-        built = attrs.evolve(built, capabilities=described.capabilities)
-    built = check_declared(target, built)
+    built = check_built(target, _call_factory(target, factory, config.allocator), described.capabilities)
     if config.allocator.enable_kv_cache_events and not built.capabilities.kv_events:
         raise ConfigError(
             f"target {target!r}: the configuration enables KV cache events, but the target does not declare "
