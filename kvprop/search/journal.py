@@ -8,8 +8,8 @@ operation that killed it, and judges the death as a find of its own
 (``kvprop.search.supervisor``). The file's modification time is the worker's heartbeat
 (``supervisor.age``): every operation writes a line.
 
-Lines are plain text, not JSON, to cost a few microseconds an operation:
-``run <json header>``, ``built``, ``op <Name> <arg> <arg> ...``, ``drain``.
+Lines are plain text to cost a few microseconds an operation: ``run <json: the walk's index
+and the trace format's header>``, ``built``, ``op <Name> <arg> <arg> ...``, ``drain``.
 """
 
 from __future__ import annotations
@@ -35,18 +35,13 @@ class Journal:
         self.file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - lives as long as the worker
 
     def begin(self, trace: Trace, index: int | None = None) -> None:
-        """A new run: ``trace`` without steps says what it runs; ``index`` is the walk's index in its worker."""
-        from kvprop.search.trace import config_to_dict  # imported here: a coverage worker imports the specs later
+        """A new run: ``trace`` (its steps and failure left out) says what it runs, in the trace
+        format; ``index`` is the walk's index in its worker."""
+        import attrs
 
-        header = {
-            "config": config_to_dict(trace.config),
-            "seed": trace.seed,
-            "driver": trace.driver,
-            "variant": trace.variant,
-            "target": trace.target,
-            "drain": trace.drain,
-            "index": index,
-        }
+        from kvprop.search.trace import to_dict  # imported here: a coverage worker imports the specs later
+
+        header = {"index": index, "trace": to_dict(attrs.evolve(trace, steps=(), failure=None))}
         self.file.seek(0)
         self.file.truncate()
         self.file.write(f"run {json.dumps(header)}\n")
@@ -88,7 +83,7 @@ class Journalled:
 def read(path: Path) -> Journalled | None:
     """The run a journal describes, or None if the worker died before it began one."""
     from kvprop.search.alphabet import OPERATION_BY_NAME
-    from kvprop.search.trace import Trace, config_from_dict
+    from kvprop.search.trace import from_dict
 
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
@@ -104,23 +99,13 @@ def read(path: Path) -> Journalled | None:
     for line in lines[1:]:
         word, _, rest = line.partition(" ")
         if word == "built":
-            phase = "operation" if steps else "built"
+            phase = "built"
         elif word == "op":
             name, *args = rest.split()
-            cls = OPERATION_BY_NAME[name]
-            steps.append(cls(**dict(zip(cls.ARGS, map(int, args), strict=True))))
+            steps.append({"op": name, **dict(zip(OPERATION_BY_NAME[name].ARGS, map(int, args), strict=True))})
             phase = "operation"
         elif word == "drain":
             phase = "drain"
     if phase == "built":  # built, then died before the first operation: nothing ran but the drain would
         phase = "drain"
-    trace = Trace(
-        config=config_from_dict(header["config"]),
-        steps=tuple(steps),
-        variant=header["variant"],
-        target=header["target"],
-        drain=header["drain"],
-        seed=header["seed"],
-        driver=header["driver"],
-    )
-    return Journalled(trace, phase, header["index"])
+    return Journalled(from_dict({**header["trace"], "steps": steps}), phase, header["index"])
