@@ -361,9 +361,10 @@ def _canary(args) -> bool:
 def _trusted_target(trace, args, command: str):
     """The target to run a trace on. A trace is data and never chooses code: the target it names
     runs only if it is one of kvprop's own or ``--target`` names the same one."""
-    from kvprop.targets import is_builtin
+    from kvprop.targets import check_name, is_builtin
 
     if args.target is not None:
+        check_name(args.target)
         return args.target
     if trace.target is None or is_builtin(trace.target):
         return trace.target

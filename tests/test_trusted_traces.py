@@ -114,3 +114,9 @@ def test_a_list_of_made_up_kinds_is_quoted_short(tmp_path):
     names = ",".join(f"kind{i}" for i in range(5_000))
     r = kvprop("fuzz", "--known", names, "--seconds", "1", cwd=tmp_path)
     assert (r.returncode, "kind7 and 4,992 more" in r.stderr, len(r.stderr) < 4_000) == (2, True, True), r.stderr[:500]
+
+
+def test_emit_test_refuses_a_target_that_is_not_a_target_name(tmp_path):
+    r = kvprop("emit-test", str(TRACE), "--target", "not a name", "--out", str(tmp_path / "t.py"), cwd=tmp_path)
+    says = "target must be 'kvprop', 'vllm', 'vllm-scheduler' or 'package.module:factory', got 'not a name'"
+    assert (r.returncode, says in r.stderr, (tmp_path / "t.py").exists()) == (2, True, False), r.stderr
