@@ -1,13 +1,53 @@
-"""Every violation kind, with the invariant it belongs to and the sentence it breaks.
+"""The invariants, and every violation kind with the invariant it belongs to and the sentence it breaks.
 
-One registry, so a kind cannot be worded two ways: each kind is raised by exactly one
-function in ``kvprop.check`` (a test walks the code to hold that), and
-``docs/design.md`` says why each sentence holds for a correct allocator.
+One registry, so neither an invariant nor a kind can be worded two ways: each kind is raised by
+exactly one function in ``kvprop.check`` (a test walks the code to hold that), the lists in
+``docs/design.md`` §4 are generated from ``INVARIANTS`` and ``KINDS`` (``kvprop facts``), and
+the prose there says why each sentence holds for a correct allocator.
 """
 
 from __future__ import annotations
 
 import attrs
+
+
+@attrs.frozen
+class Invariant:
+    number: int
+    statement: str
+
+
+INVARIANTS = {
+    i.number: i
+    for i in (
+        Invariant(1, "reference counts equal the table entries (and queued block copies) holding each block"),
+        Invariant(2, "the free queue holds exactly the unreferenced blocks, with consistent links and count"),
+        Invariant(3, "a live block belongs to one group, once per table, shared only while cached"),
+        Invariant(4, "the cache map and block keys agree both ways; the null block is never cached"),
+        Invariant(5, "blocks in use + free + the null block = all blocks"),
+        Invariant(
+            6,
+            "tables fit their request's tokens, skip only what the window skips, and their cached prefix "
+            "carries the request's own hashes, counted in full",
+        ),
+        Invariant(
+            7,
+            "every computed position and cached block reads back its fingerprint; writes and loads go only "
+            "to blocks their request owns alone",
+        ),
+        Invariant(8, "a refused allocation changes nothing but the blocks its window skipping freed"),
+        Invariant(9, "with arrivals stopped, every request ends and every block returns"),
+        Invariant(
+            10,
+            "allocations are granted when they surely fit and refused when they surely do not; cache hits "
+            "are exactly as long as the cache map allows",
+        ),
+        Invariant(11, "malformed calls a target's contract refuses are refused and change nothing"),
+        Invariant(12, "a freed request leaves nothing behind; the null block is never queued or cached"),
+        Invariant(13, "replaying the KV cache events (when enabled) reproduces the cache map's keys"),
+        Invariant(14, "an allocation only appends to a table or nulls the entries it skips"),
+    )
+}
 
 
 @attrs.frozen
