@@ -212,6 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
     t = command("targets", c.cmd_targets, "list the registered targets, what each declares and the release it drives")
     t.add_argument("--json", action="store_true", help="print the list as JSON")
 
+    from kvprop import facts
+
+    fa = command("facts", facts.cmd_facts, "rewrite or check the blocks of docs/design.md the code generates")
+    mode = fa.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write", dest="mode", action="store_const", const="write", help="rewrite the blocks in place")
+    mode.add_argument("--check", dest="mode", action="store_const", const="check", help="exit 1 naming stale blocks")
+    fa.add_argument("--file", default=None, help="the document (default: docs/design.md beside the package)")
+
     cov = command("coverage", c.cmd_coverage, "statement and branch coverage of the target's allocator by walks")
     cov.add_argument("--seconds", type=seconds, default=60.0, help="time budget of the walks")
     cov.add_argument("--seed", type=seed, default=0, help="run seed; each walk's seed is a hash of it")
@@ -281,6 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="an earlier `kvprop bench --json` output (the previous code): the targets table shows its "
         "values in a 'before' column",
+    )
+    bench.add_argument(
+        "--markdown",
+        metavar="PATH",
+        default=None,
+        help="also write the tables as a markdown document headed by the command, the date and the "
+        "machine (make benchmarks: docs/benchmarks.md)",
     )
     bench.add_argument(
         "parts",
