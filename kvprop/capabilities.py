@@ -71,6 +71,13 @@ class Shapes:
     state_with_connector: bool = True  # a state group beside a KV connector
     local_with_connector: bool = True  # a chunked-local group beside a KV connector
     drafts_within_budget: bool = False  # with drafts, a token budget of at least 1 + drafts
+    # the options drawn by their own declaration (kvprop.allocator.options.Option.draw) it builds,
+    # by name; None: every one. An adapter names those it maps to its engine.
+    options: frozenset | None = None
+
+    def builds(self, option: str) -> bool:
+        """Whether the sampler may draw ``option`` (one with a ``draw`` of its own) for this target."""
+        return self.options is None or option in self.options
 
     def limits(self) -> list[str]:
         """What is drawn differently from every shape, in words."""
@@ -81,6 +88,8 @@ class Shapes:
                 continue
             if isinstance(value, bool):
                 said.append(f"{'only ' if value else 'no '}{field.name.replace('_', ' ')}")
+            elif isinstance(value, frozenset) and field.name == "options":
+                said.append(f"drawn options {', '.join(sorted(value)) or 'none'}")
             elif isinstance(value, frozenset):
                 said.append(f"group kinds {', '.join(sorted(value))}")
             else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import attrs
 
+from kvprop.allocator.options import declared, option, smaller
 from kvprop.errors import ConfigError
 
 MAX_GROUPS = 8
@@ -212,8 +213,11 @@ def _check_hash_unit(instance, attribute, value):
     if value == bs:
         return
     kinds = [type(spec).__name__ for spec in instance.groups]
-    if not instance.enable_caching or len(kinds) < 2 or "Mamba" not in kinds or any(
-        kind not in ("FullAttention", "Mamba") for kind in kinds
+    if (
+        not instance.enable_caching
+        or len(kinds) < 2
+        or "Mamba" not in kinds
+        or any(kind not in ("FullAttention", "Mamba") for kind in kinds)
     ):
         raise ConfigError(
             f"{name} below block_size={bs} needs prefix caching and at least two groups, a Mamba group "
@@ -237,34 +241,83 @@ def eagle_problem(groups) -> str | None:
 
 @attrs.frozen
 class AllocatorConfig:
-    """The allocator's shape: groups sharing one pool of ``num_blocks`` (block 0 is the null block).
-
-    ``retention_interval`` is vLLM's prefix-cache retention (``CacheConfig.
-    prefix_cache_retention_interval``, production default 0 since 0.30.0): which sliding-window
-    and state blocks are worth a hash (``kvprop.allocator.retention``). None caches every block.
-    ``enable_kv_cache_events`` queues the events a router outside the engine replays
-    (``kvprop.allocator.events``). ``hash_unit`` is vLLM's ``prefix_match_unit``: below the
-    block size, hits may end inside a block (docs/design.md §2 "Hits inside a block").
-    ``kv_cache_report_mode`` "full" is what every request asks for: the events then also
-    announce again the blocks each hit reuses (vLLM's per-request ``kv_cache_report_mode``).
-    ``eagle`` is vLLM's EAGLE/MTP block drop (``use_eagle``): a drafter's KV at a block's last
-    position depends on the token after it, so a hit gives back its last block (docs/design.md
-    §2 "The EAGLE drop"). ``log_stats`` (prefix-cache hit statistics; a served engine keeps
-    them unless started with ``--disable-log-stats``) and ``kv_cache_metrics``
-    (``--kv-cache-metrics``: block residency metrics, every block sampled) only observe:
-    kvprop's allocator has nothing to do for them, a vLLM target builds its manager with them,
-    so their hooks in its block pool run too."""
+    """The allocator's shape: groups sharing one pool of ``num_blocks`` (block 0 is the null
+    block). Each other field is a declared option (``kvprop.allocator.options``) whose ``doc``
+    says what it is and which vLLM setting it stands for."""
 
     groups: tuple = attrs.field(converter=lambda g: tuple(g) if isinstance(g, list) else g, validator=_check_groups)
-    num_blocks: int = attrs.field(validator=_int_at_least(2))
-    enable_caching: bool = attrs.field(default=True, validator=_check_bool)
-    retention_interval: int | None = attrs.field(default=None, validator=_check_retention, kw_only=True)
-    enable_kv_cache_events: bool = attrs.field(default=False, validator=_check_bool, kw_only=True)
-    hash_unit: int | None = attrs.field(default=None, validator=_check_hash_unit, kw_only=True)
-    kv_cache_report_mode: str = attrs.field(default="incremental", validator=_check_report_mode, kw_only=True)
-    eagle: bool = attrs.field(default=False, validator=_check_bool, kw_only=True)
-    log_stats: bool = attrs.field(default=True, validator=_check_bool, kw_only=True)
-    kv_cache_metrics: bool = attrs.field(default=False, validator=_check_bool, kw_only=True)
+    num_blocks: int = option(
+        validator=_int_at_least(2),
+        kw_only=False,
+        doc="blocks in the shared pool, the null block (block 0) among them (vLLM's num_gpu_blocks)",
+        types=(int,),
+        simpler=lambda n: smaller(n, 2),
+    )
+    enable_caching: bool = option(
+        True, validator=_check_bool, kw_only=False, doc="prefix caching (vLLM's enable_prefix_caching)", types=(bool,)
+    )
+    retention_interval: int | None = option(
+        None,
+        validator=_check_retention,
+        doc="vLLM's prefix-cache retention (CacheConfig.prefix_cache_retention_interval, production default 0 "
+        "since 0.30.0): which sliding-window and state blocks are worth a hash (kvprop.allocator.retention); "
+        "null caches every block",
+        types=(int, type(None)),
+        absent=None,
+        simpler=(None, 0),  # dense caching has no rule of its own to read
+    )
+    enable_kv_cache_events: bool = option(
+        False,
+        validator=_check_bool,
+        doc="queue the KV cache events a router outside the engine replays (kvprop.allocator.events)",
+        types=(bool,),
+        absent=False,
+        simpler=(False,),
+    )
+    hash_unit: int | None = option(
+        None,
+        validator=_check_hash_unit,
+        doc="vLLM's prefix_match_unit: tokens per block hash; below the block size, hits may end inside a "
+        "block (docs/design.md, 'Hits inside a block'); null is the block size",
+        types=(int, type(None)),
+        absent=None,
+        simpler=(None,),  # hits end on block boundaries
+    )
+    kv_cache_report_mode: str = option(
+        "incremental",
+        validator=_check_report_mode,
+        doc="vLLM's per-request kv_cache_report_mode, here for every request: 'full' also announces again "
+        "the blocks each hit reuses",
+        types=(str,),
+        absent="incremental",
+        simpler=("incremental",),
+    )
+    eagle: bool = option(
+        False,
+        validator=_check_bool,
+        doc="vLLM's EAGLE/MTP block drop (use_eagle): a drafter's KV at a block's last position depends on the "
+        "token after it, so a hit gives back its last block (docs/design.md, 'The EAGLE drop')",
+        types=(bool,),
+        absent=False,
+        simpler=(False,),  # hits keep their last block
+    )
+    log_stats: bool = option(
+        True,
+        validator=_check_bool,
+        doc="prefix-cache hit statistics (a served engine keeps them unless started with --disable-log-stats); "
+        "only observes: a vLLM target builds its manager with them, so their hooks run",
+        types=(bool,),
+        absent=True,
+        simpler=(True,),  # the engine's default
+    )
+    kv_cache_metrics: bool = option(
+        False,
+        validator=_check_bool,
+        doc="vLLM's --kv-cache-metrics: block residency metrics, every block sampled; only observes",
+        types=(bool,),
+        absent=False,
+        simpler=(False,),  # the engine's default
+    )
 
     def __attrs_post_init__(self):
         mode = "align" if self.enable_caching else "none"
@@ -341,19 +394,56 @@ def _check_allocator(value):
 
 @attrs.frozen
 class EngineConfig:
-    """The scheduler around the allocator: token budget, lookahead, connector, token alphabet,
-    ``speculative_tokens``: the draft tokens proposed after each sampled token and verified
-    in the next step (vLLM's ``num_speculative_tokens``, MTP/EAGLE/n-gram; docs/design.md §2
-    "Speculative decoding"), and ``load_failure_policy``: what a failed load does to its request
-    (vLLM's ``kv_load_failure_policy``, docs/design.md §3)."""
+    """The scheduler and the external KV tier around the allocator; each field but the
+    allocator's is a declared option (``kvprop.allocator.options``)."""
 
     allocator: AllocatorConfig = attrs.field(validator=lambda i, a, v: _check_allocator(v))
-    token_budget: int = attrs.field(default=64, validator=_int_at_least(1))
-    lookahead: int = attrs.field(default=0, validator=_int_at_least(0, 16))
-    connector: str = attrs.field(default="off", validator=_check_connector)
-    vocab: int = attrs.field(default=4, validator=_int_at_least(1))
-    speculative_tokens: int = attrs.field(default=0, kw_only=True, validator=_int_at_least(0, MAX_SPECULATIVE_TOKENS))
-    load_failure_policy: str = attrs.field(default="recompute", kw_only=True, validator=_check_load_failure_policy)
+    token_budget: int = option(
+        64,
+        validator=_int_at_least(1),
+        kw_only=False,
+        doc="tokens the scheduler schedules per step (vLLM's max_num_batched_tokens)",
+        types=(int,),
+        simpler=lambda n: smaller(n, 1),
+    )
+    lookahead: int = option(
+        0,
+        validator=_int_at_least(0, 16),
+        kw_only=False,
+        doc="slots allocated ahead of each decode step (vLLM's num_lookahead_tokens)",
+        types=(int,),
+        simpler=(0,),
+    )
+    connector: str = option(
+        "off",
+        validator=_check_connector,
+        kw_only=False,
+        doc="the external KV tier: 'off', or a connector whose loads finish in their step ('sync') or later "
+        "('async'; vLLM's offloading connector)",
+        types=(str,),
+        simpler=("off", "sync"),
+    )
+    vocab: int = option(
+        4, validator=_int_at_least(1), kw_only=False, doc="the token alphabet prompts are drawn from", types=(int,)
+    )
+    speculative_tokens: int = option(
+        0,
+        validator=_int_at_least(0, MAX_SPECULATIVE_TOKENS),
+        doc="draft tokens proposed after each sampled token and verified in the next step (vLLM's "
+        "num_speculative_tokens; docs/design.md, 'Speculative decoding'); the minimiser lowers it with the "
+        "state groups' scratch columns",
+        types=(int,),
+        absent=0,
+    )
+    load_failure_policy: str = option(
+        "recompute",
+        validator=_check_load_failure_policy,
+        doc="what a failed load does to its request (vLLM's kv_load_failure_policy): 'recompute' starts it "
+        "again without the failed blocks, 'fail' ends it with an error",
+        types=(str,),
+        absent="recompute",
+        simpler=("recompute",),
+    )
 
     def __attrs_post_init__(self):
         for spec in self.allocator.groups:
@@ -397,3 +487,6 @@ def without_checkpoints(config: EngineConfig) -> EngineConfig:
     checkpoints follow other rules, or for a walk that leaves a known checkpoint bug out)."""
     groups = tuple(attrs.evolve(g, checkpoint=None) if isinstance(g, Mamba) else g for g in config.allocator.groups)
     return attrs.evolve(config, allocator=attrs.evolve(config.allocator, groups=groups))
+
+
+OPTIONS = declared(allocator=AllocatorConfig, engine=EngineConfig)

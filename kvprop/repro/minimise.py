@@ -7,10 +7,13 @@ violation, until no single removal or simplification fails any more.
 
 from __future__ import annotations
 
+from functools import partial
+
 import attrs
 
 from kvprop import interrupt
-from kvprop.allocator.specs import FullAttention
+from kvprop.allocator.options import smaller
+from kvprop.allocator.specs import OPTIONS, FullAttention
 from kvprop.errors import ConfigError, TargetError
 from kvprop.search.alphabet import PROMPT_PRODUCERS, AddLargeRequest, AddRequest
 from kvprop.search.execute import execute
@@ -139,7 +142,7 @@ class Minimiser:
                 break
             op = self.best.steps[i]
             for name, (lo, _) in type(op).ARGS.items():
-                for value in _smaller(getattr(self.best.steps[i], name), lo):
+                for value in smaller(getattr(self.best.steps[i], name), lo):
                     steps = list(self.best.steps)
                     steps[i] = attrs.evolve(steps[i], **{name: value})
                     if self.accept(self.best.with_steps(steps)):
@@ -178,15 +181,6 @@ def without(steps, start: int, stop: int) -> tuple:
     return tuple(out)
 
 
-def _smaller(value: int, lo: int):
-    """Candidates below ``value``, simplest first."""
-    seen = set()
-    for v in (lo, value // 2, value - 1):
-        if lo <= v < value and v not in seen:
-            seen.add(v)
-            yield v
-
-
 def _valid(make):
     """``make()``, or None where the configuration it builds is not valid (a retention interval
     left with no group to thin, a synchronous connector with a state group)."""
@@ -199,11 +193,6 @@ def _valid(make):
 def _with_allocator(config, **changes):
     """``config`` with those allocator fields changed; None where that is no valid allocator."""
     return _valid(lambda: attrs.evolve(config, allocator=attrs.evolve(config.allocator, **changes)))
-
-
-def _with(config, **changes):
-    """``config`` with those engine fields changed; None where that is no valid configuration."""
-    return _valid(lambda: attrs.evolve(config, **changes))
 
 
 def _with_drafts(config, k: int):
@@ -224,48 +213,25 @@ def _simpler_configs(config):
     candidates += [tuple(FullAttention(g.block_size) if g.kind != "full" else g for g in groups)]
     for new_groups in candidates:
         yield _with_allocator(config, groups=new_groups)
-    if a.hash_unit is not None:  # hits end on block boundaries
-        yield _with_allocator(config, hash_unit=None)
     checkpoints = {g.checkpoint for g in groups if g.kind == "mamba"} - {None}
     if checkpoints:  # no prefill checkpoints, then the finest kernel grid
         for simpler in (None, 1) if checkpoints != {1} else (None,):
             new = tuple(attrs.evolve(g, checkpoint=simpler) if g.kind == "mamba" else g for g in groups)
             yield _with_allocator(config, groups=new)
-    if a.kv_cache_report_mode != "incremental":
-        yield _with_allocator(config, kv_cache_report_mode="incremental")
-    if a.enable_kv_cache_events:
-        yield _with_allocator(config, enable_kv_cache_events=False, kv_cache_report_mode="incremental")
-    if a.eagle:  # hits keep their last block
-        yield _with_allocator(config, eagle=False)
-    if not a.log_stats or a.kv_cache_metrics:  # the observers back to the engine's defaults
-        yield _with_allocator(config, log_stats=True, kv_cache_metrics=False)
-    if a.retention_interval is not None:  # dense caching has no rule of its own to read
-        yield _with_allocator(config, retention_interval=None)
-        if a.retention_interval:
-            yield _with_allocator(config, retention_interval=0)
-    for n in _smaller(a.num_blocks, 2):
-        yield _with_allocator(config, num_blocks=n)
-    for budget in _smaller(config.token_budget, 1):
-        yield _with(config, token_budget=budget)
-    if config.lookahead:
-        yield _with(config, lookahead=0)
-    for k in _smaller(config.speculative_tokens, 0):
+    for declared in OPTIONS:  # each option's own simpler values (kvprop.allocator.options)
+        for value in declared.option.candidates(declared.value(config)):
+            yield _valid(partial(declared.set, config, value))
+    for k in smaller(config.speculative_tokens, 0):
         yield _with_drafts(config, k)
-    if config.load_failure_policy != "recompute":
-        yield _with(config, load_failure_policy="recompute")
-    if config.connector == "async":
-        yield _with(config, connector="sync")
-    if config.connector != "off":
-        yield _with(config, connector="off")
     for g, spec in enumerate(groups):
         for field in ("window", "chunk"):
             value = getattr(spec, field, None)
             if value is None:
                 continue
-            for smaller in _smaller(value, spec.block_size if field == "chunk" else 1):
-                if field == "chunk" and smaller % spec.block_size:
+            for less in smaller(value, spec.block_size if field == "chunk" else 1):
+                if field == "chunk" and less % spec.block_size:
                     continue
-                new = groups[:g] + (attrs.evolve(spec, **{field: smaller}),) + groups[g + 1 :]
+                new = groups[:g] + (attrs.evolve(spec, **{field: less}),) + groups[g + 1 :]
                 yield _with_allocator(config, groups=new)
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, ClassVar
 import attrs
 
 from kvprop.allocator.specs import (
+    OPTIONS,
     THINNED_BY_RETENTION,
     AllocatorConfig,
     ChunkedLocal,
@@ -118,7 +119,7 @@ def sample_config(choose, shapes: Shapes = ANY_SHAPE) -> EngineConfig:
     # the EAGLE drop in half the shapes with drafts that can have it (vLLM's use_eagle: EAGLE and
     # MTP drafters; its n-gram drafting has none)
     eagle = bool(speculative) and _eagle_shape(groups, retention) and side.integer(0, 1) == 1 and shapes.eagle
-    return EngineConfig(
+    config = EngineConfig(
         allocator=AllocatorConfig(
             tuple(groups),
             num_blocks,
@@ -138,6 +139,10 @@ def sample_config(choose, shapes: Shapes = ANY_SHAPE) -> EngineConfig:
         speculative_tokens=speculative,
         load_failure_policy=policy,
     )
+    for declared in OPTIONS:  # the options that declare their own draw, from the side stream
+        if declared.option.draw is not None and shapes.builds(declared.name):
+            config = declared.set(config, declared.option.draw(side, config))
+    return config
 
 
 def _eagle_shape(groups, retention) -> bool:

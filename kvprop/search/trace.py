@@ -12,7 +12,16 @@ from pathlib import Path
 import attrs
 
 from kvprop import __version__
-from kvprop.allocator.specs import AllocatorConfig, ChunkedLocal, EngineConfig, FullAttention, Mamba, SlidingWindow
+from kvprop.allocator.options import REQUIRED
+from kvprop.allocator.specs import (
+    OPTIONS,
+    AllocatorConfig,
+    ChunkedLocal,
+    EngineConfig,
+    FullAttention,
+    Mamba,
+    SlidingWindow,
+)
 from kvprop.errors import KvpropError, TargetCrash, bounded
 from kvprop.search import DRIVERS
 from kvprop.search.alphabet import OPERATION_BY_NAME
@@ -91,25 +100,9 @@ SPEC_KINDS = {
 
 
 def config_to_dict(config: EngineConfig) -> dict:
-    a = config.allocator
-    return {
-        "groups": [{"kind": s.kind, **attrs.asdict(s)} for s in a.groups],
-        "num_blocks": a.num_blocks,
-        "enable_caching": a.enable_caching,
-        "retention_interval": a.retention_interval,
-        "enable_kv_cache_events": a.enable_kv_cache_events,
-        "hash_unit": a.hash_unit,
-        "kv_cache_report_mode": a.kv_cache_report_mode,
-        "eagle": a.eagle,
-        "log_stats": a.log_stats,
-        "kv_cache_metrics": a.kv_cache_metrics,
-        "token_budget": config.token_budget,
-        "lookahead": config.lookahead,
-        "connector": config.connector,
-        "vocab": config.vocab,
-        "speculative_tokens": config.speculative_tokens,
-        "load_failure_policy": config.load_failure_policy,
-    }
+    """The groups, then every declared option (``kvprop.allocator.specs.OPTIONS``) in order."""
+    groups = [{"kind": s.kind, **attrs.asdict(s)} for s in config.allocator.groups]
+    return {"groups": groups, **{d.name: d.value(config) for d in OPTIONS}}
 
 
 def _require(d, key, where, types):
@@ -143,24 +136,7 @@ def _only(d: dict, allowed, where: str) -> None:
         raise TraceError(f"{where}: unknown field(s) {bounded(unknown)}; allowed: {', '.join(sorted(allowed))}")
 
 
-CONFIG_FIELDS = (
-    "groups",
-    "num_blocks",
-    "enable_caching",
-    "retention_interval",
-    "enable_kv_cache_events",
-    "hash_unit",
-    "kv_cache_report_mode",
-    "eagle",
-    "log_stats",
-    "kv_cache_metrics",
-    "token_budget",
-    "lookahead",
-    "connector",
-    "vocab",
-    "speculative_tokens",
-    "load_failure_policy",
-)
+CONFIG_FIELDS = ("groups", *(d.name for d in OPTIONS))
 
 
 def config_from_dict(d) -> EngineConfig:
@@ -180,28 +156,15 @@ def config_from_dict(d) -> EngineConfig:
             groups.append(SPEC_KINDS[kind](**fields))
         except (TypeError, ConfigError) as e:
             raise TraceError(f"config.groups[{i}]: {e}") from e
+    values = {}
+    for o in OPTIONS:  # a field a trace lacks ran with the value the option declares for it
+        if o.option.absent is REQUIRED:
+            values[o.name] = _require(d, o.name, "config", o.option.types)
+        else:
+            values[o.name] = _optional(d, o.name, o.option.absent, o.option.types)
     try:
-        return EngineConfig(
-            AllocatorConfig(
-                tuple(groups),
-                _require(d, "num_blocks", "config", int),
-                _require(d, "enable_caching", "config", bool),
-                # absent from traces written before these were modelled: those ran dense, without events
-                retention_interval=_optional(d, "retention_interval", None, (int, type(None))),
-                enable_kv_cache_events=_optional(d, "enable_kv_cache_events", False, bool),
-                hash_unit=_optional(d, "hash_unit", None, (int, type(None))),  # absent before: the block size
-                kv_cache_report_mode=_optional(d, "kv_cache_report_mode", "incremental", str),
-                eagle=_optional(d, "eagle", False, bool),
-                log_stats=_optional(d, "log_stats", True, bool),
-                kv_cache_metrics=_optional(d, "kv_cache_metrics", False, bool),
-            ),
-            token_budget=_require(d, "token_budget", "config", int),
-            lookahead=_require(d, "lookahead", "config", int),
-            connector=_require(d, "connector", "config", str),
-            vocab=_require(d, "vocab", "config", int),
-            speculative_tokens=_optional(d, "speculative_tokens", 0, int),  # absent before drafts were modelled
-            load_failure_policy=_optional(d, "load_failure_policy", "recompute", str),  # absent before: recompute
-        )
+        at = {level: {o.name: values[o.name] for o in OPTIONS if o.level == level} for level in ("allocator", "engine")}
+        return EngineConfig(AllocatorConfig(tuple(groups), **at["allocator"]), **at["engine"])
     except ConfigError as e:
         raise TraceError(f"config: {e}") from e
 
