@@ -86,20 +86,20 @@ def targets() -> str:
     )
 
 
-def layout() -> str:
+def layout(package: Path = PACKAGE) -> str:
+    """Read from disk, not from imports: a module moved or added shows at once."""
     folders: dict[Path, list[Path]] = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted(package.rglob("*.py")):
         if "__pycache__" not in path.parts:
             folders.setdefault(path.parent, []).append(path)
-    out = []
-    for folder, paths in sorted(folders.items(), key=lambda item: item[0].relative_to(PACKAGE).parts):
-        rel = folder.relative_to(PACKAGE.parent).as_posix()
+    chunks = []
+    for folder, paths in sorted(folders.items(), key=lambda item: item[0].relative_to(package).parts):
+        rel = folder.relative_to(package.parent).as_posix()
         init = folder / "__init__.py"
-        out.append(f"**`{rel}/`**" + (f": {_summary(init)}" if init in paths else ""))
-        out.append("")
-        out.extend(f"- `{p.name}`: {_summary(p)}" for p in paths if p.name != "__init__.py")
-        out.append("")
-    return "\n".join(out).rstrip()
+        head = f"**`{rel}/`**" + (f": {_summary(init)}" if init in paths else "")
+        modules = [f"- `{p.name}`: {_summary(p)}" for p in paths if p.name != "__init__.py"]
+        chunks.append("\n".join([head, "", *modules]) if modules else head)
+    return "\n\n".join(chunks)
 
 
 RENDERERS: dict[str, Callable[[], str]] = {
