@@ -218,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     mode = fa.add_mutually_exclusive_group(required=True)
     mode.add_argument("--write", dest="mode", action="store_const", const="write", help="rewrite the blocks in place")
     mode.add_argument("--check", dest="mode", action="store_const", const="check", help="exit 1 naming stale blocks")
-    fa.add_argument("--file", default=None, help="the document (default: docs/design.md beside the package)")
+    fa.add_argument("--file", default=None, help="the document; none: docs/design.md beside the package")
 
     cov = command("coverage", c.cmd_coverage, "statement and branch coverage of the target's allocator by walks")
     cov.add_argument("--seconds", type=seconds, default=60.0, help="time budget of the walks")
@@ -269,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--release-rules",
         action="store_true",
         help="take the five options above from the installed vLLM release (what it lacks of kvprop's "
-        "model, and its known bugs: kvprop.targets.vllm_releases); the header names them",
+        "model, and its known bugs: kvprop.targets.vllm.releases); the header names them",
     )
     ag.add_argument("--json", action="store_true", help="print one JSON object")
     ag.add_argument("--out", default="counterexamples", help="where a target that dies or hangs is saved")
