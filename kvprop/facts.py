@@ -44,8 +44,9 @@ def invariants() -> str:
 def variants() -> str:
     from kvprop.targets.variants import VARIANTS
 
-    rows = [f"| `{v.name}` | {v.bug} | {_replaced(v)} |" for v in VARIANTS.values()]
-    return "\n".join(["| variant | the bug | what it replaces |", "| --- | --- | --- |", *rows])
+    rows = [f"| `{v.name}` | {v.bug} | `{v.caught_as}` | {_replaced(v)} |" for v in VARIANTS.values()]
+    head = "| variant | the bug | caught without guards as | what it replaces |"
+    return "\n".join([head, "| --- | --- | --- | --- |", *rows])
 
 
 def targets() -> str:
@@ -102,12 +103,38 @@ def layout(package: Path = PACKAGE) -> str:
     return "\n\n".join(chunks)
 
 
+def options() -> str:
+    """Every declared option (``kvprop.allocator.specs.OPTIONS``): the trace, the minimiser and
+    the sampler read these declarations, so the table is what they do."""
+    from kvprop.allocator.options import REQUIRED
+    from kvprop.allocator.specs import OPTIONS
+
+    def tries(option) -> str:
+        if callable(option.simpler):
+            return "smaller values"
+        return ", ".join(f"`{_json(v)}`" for v in option.simpler) or "—"
+
+    rows = [
+        f"| `{d.name}` | {d.level} | `{_json(d.default) if d.default is not attrs.NOTHING else '—'}` | "
+        f"{'required' if d.option.absent is REQUIRED else f'`{_json(d.option.absent)}`'} | {tries(d.option)} | "
+        f"{'its own' if d.option.draw else 'the shape code'} | {d.option.doc} |"
+        for d in OPTIONS
+    ]
+    head = "| option | level | default | a trace without it | the minimiser tries | drawn by | meaning |"
+    return "\n".join([head, "| --- | --- | --- | --- | --- | --- | --- |", *rows])
+
+
+def _json(value) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
     "kinds": kinds,
     "invariants": invariants,
     "variants": variants,
     "targets": targets,
     "layout": layout,
+    "options": options,
 }
 
 

@@ -57,39 +57,10 @@ def test_machine_finds_variant_from_scratch(variant, record_property):
     assert length <= MAX_SHRUNK
 
 
-# What catches each variant when kvprop's allocator runs without its own guards: always an
-# invariant, never a guard or a crash (an allocator under test need not have guards).
-CAUGHT_WITHOUT_GUARDS = {
-    "interleaved-external-alloc": "block-in-two-groups",
-    "touch-before-capacity-check": "ref-cnt-mismatch",
-    "evict-keeps-hash": "cache-map-stale",
-    "swa-skip-off-by-one": "null-in-attended-range",
-    "hits-recached": "cached-count-behind",
-    "free-during-async-load": "freed-request-remains",
-    "loads-unreserved": "liveness",
-    "capacity-overcount": "spurious-refusal",
-    "hit-stops-early": "hit-too-short",
-    "free-keeps-cached-count": "freed-request-remains",
-    "accepts-negative-external": "misuse-accepted",
-    "retention-tail-short": "cached-block-lost-hash",
-    "eviction-unannounced": "events-diverge",
-    "state-cached-early": "data-mismatch",
-    "state-retired-early": "null-in-attended-range",
-    "cache-past-computed": "data-mismatch",
-    "draft-slots-returned": "table-rewritten",
-    "partial-hit-shared": "cached-count",
-    "copy-before-compute": "data-mismatch",
-    "state-key-not-moved": "data-mismatch",
-    "checkpoint-over-running-state": "data-mismatch",
-    "checkpoint-keyed-late": "cached-block-lost-hash",
-    "checkpoint-chunk-past-block": "data-mismatch",
-    "reannounces-every-position": "events-reannounce-unheld",
-    "eagle-keeps-last-block": "hit-too-long",
-}
+def test_every_variant_declares_the_kind_that_catches_it_without_guards():
+    from kvprop.check.kinds import KINDS
 
-
-def test_the_guard_free_table_names_every_variant():
-    assert sorted(CAUGHT_WITHOUT_GUARDS) == sorted(VARIANTS)
+    assert [v.name for v in VARIANTS.values() if v.caught_as not in KINDS] == []
 
 
 @pytest.mark.parametrize("variant", sorted(set(VARIANTS) - BEYOND_THE_WALKS))
@@ -99,4 +70,4 @@ def test_walker_finds_variant_by_an_invariant_with_the_guards_off(variant, monke
 
     monkeypatch.setattr(guards, "ENABLED", False)
     failure = next(f for f in (run_walk(seed, variant=variant).failure for seed in range(3000)) if f is not None)
-    assert (failure.origin, failure.kind) == ("violation", CAUGHT_WITHOUT_GUARDS[variant])
+    assert (failure.origin, failure.kind) == ("violation", VARIANTS[variant].caught_as)

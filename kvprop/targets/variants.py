@@ -336,8 +336,13 @@ def _with_manager(spec_type: type, manager: type) -> Parts:
 
 @attrs.frozen
 class Variant:
+    """A planted bug: ``caught_as`` is the violation kind that catches it when kvprop's
+    allocator runs without its own guards (an allocator under test need not have guards), so
+    an invariant, never a guard or a crash, must find it."""
+
     name: str
     bug: str
+    caught_as: str = attrs.field(default="", kw_only=True)
     allocator: type = KVCacheManager
     parts: Parts = attrs.field(factory=Parts)
     engine: type = Engine
@@ -349,126 +354,151 @@ VARIANTS = {
         Variant(
             "interleaved-external-alloc",
             "per-group touch + external allocation in one loop",
+            caught_as="block-in-two-groups",
             parts=Parts(unitary=InterleavedUnitary, hybrid=InterleavedHybrid),
         ),
         Variant(
             "touch-before-capacity-check",
             "hit blocks are touched before the capacity check, which then fails",
+            caught_as="ref-cnt-mismatch",
             allocator=TouchBeforeCapacityCheck,
         ),
         Variant(
             "evict-keeps-hash",
             "popping a cached block leaves it in the cache map",
+            caught_as="cache-map-stale",
             parts=Parts(pool=EvictKeepsHashPool),
         ),
         Variant(
             "swa-skip-off-by-one",
             "the sliding window skips one block too many",
+            caught_as="null-in-attended-range",
             parts=_with_manager(SlidingWindow, SwaSkipOffByOne),
         ),
         Variant(
             "hits-recached",
             "a newly admitted request's cached-count starts at 0, so its hits are cached again",
+            caught_as="cached-count-behind",
             parts=Parts(managers=_hits_recached_managers()),
         ),
         Variant(
             "free-during-async-load",
             "aborting a request frees blocks an external load is still writing",
+            caught_as="freed-request-remains",
             engine=FreeDuringAsyncLoad,
         ),
         Variant(
             "loads-unreserved",
             "an asynchronous load is admitted without leaving room for the loads in flight to finish",
+            caught_as="liveness",
             engine=LoadsUnreserved,
         ),
         Variant(
             "capacity-overcount",
             "an admission is counted one block larger than it is, so one that exactly fits is refused",
+            caught_as="spurious-refusal",
             parts=Parts(managers=_mixed_managers(CapacityOvercount)),
         ),
         Variant(
             "hit-stops-early",
             "the full-attention hit stops one block short of what the cache holds",
+            caught_as="hit-too-short",
             parts=_with_manager(FullAttention, HitStopsEarly),
         ),
         Variant(
             "state-cached-early",
             "a state block is cached under its block's last token before the request reaches it",
+            caught_as="data-mismatch",
             parts=_with_manager(Mamba, StateCachedEarly),
         ),
         Variant(
             "state-retired-early",
             "the previous state block is released before the step has continued from it",
+            caught_as="null-in-attended-range",
             parts=_with_manager(Mamba, StateRetiredEarly),
         ),
         Variant(
             "eviction-unannounced",
             "evicting a cached block emits no KV cache removed event",
+            caught_as="events-diverge",
             parts=Parts(pool=EvictionUnannouncedPool),
         ),
         Variant(
             "retention-tail-short",
             "prefix-cache retention leaves the first block of each retained sliding-window tail unhashed",
+            caught_as="cached-block-lost-hash",
             parts=_with_manager(SlidingWindow, RetentionTailShort),
         ),
         Variant(
             "accepts-negative-external",
             "allocate_slots no longer refuses a negative external-token count",
+            caught_as="misuse-accepted",
             allocator=AcceptsNegativeExternal,
         ),
         Variant(
             "cache-past-computed",
             "cache_blocks caches every full block its tables hold, past the computed tokens it is given",
+            caught_as="data-mismatch",
             allocator=CachePastComputed,
         ),
         Variant(
             "draft-slots-returned",
             "the slots of rejected drafts are handed back and replaced, though a table may only grow",
+            caught_as="table-rewritten",
             parts=Parts(managers=_mixed_managers(DraftSlotsReturned)),
         ),
         Variant(
             "partial-hit-shared",
             "a hit that ends inside a block keeps the shared block, uncopied, and computes into it",
+            caught_as="cached-count",
             parts=Parts(managers=_mixed_managers(PartialHitShared)),
         ),
         Variant(
             "copy-before-compute",
             "a hit ending inside a block keyed in the current step is copied before the step computes the block",
+            caught_as="data-mismatch",
             parts=_with_manager(FullAttention, CopyBeforeCompute),
         ),
         Variant(
             "state-key-not-moved",
             "a state block keyed inside it is copied, but its keys stay on the block its request overwrites",
+            caught_as="data-mismatch",
             parts=_with_manager(Mamba, StateKeyNotMoved),
         ),
         Variant(
             "checkpoint-over-running-state",
             "a chunk before the prefill's end writes its checkpoint into the scratch block now running",
+            caught_as="data-mismatch",
             parts=_with_manager(Mamba, CheckpointOverRunningState),
         ),
         Variant(
             "reannounces-every-position",
             "the full report announces a hit's skipped positions, which the group does not hold",
+            caught_as="events-reannounce-unheld",
             allocator=ReannouncesEveryPosition,
         ),
         Variant(
             "checkpoint-keyed-late",
             "a checkpoint column is keyed one hash unit past the state it holds",
+            caught_as="cached-block-lost-hash",
             parts=_with_manager(Mamba, CheckpointKeyedLate),
         ),
         Variant(
             "checkpoint-chunk-past-block",
             "a chunk saving a checkpoint runs past the block boundary after its start",
+            caught_as="data-mismatch",
             engine=CheckpointChunkPastBlock,
         ),
         Variant(
             "eagle-keeps-last-block",
             "with the EAGLE drop, the full-attention hit keeps its last block",
+            caught_as="hit-too-long",
             parts=_with_manager(FullAttention, EagleKeepsLastBlock),
         ),
         Variant(
             "free-keeps-cached-count",
             "freeing a request leaves its cached-block count behind",
+            caught_as="freed-request-remains",
             parts=Parts(managers=_mixed_managers(FreeKeepsCachedCount)),
         ),
     )
