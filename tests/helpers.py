@@ -22,7 +22,7 @@ VOCAB = 1000
 
 
 def motivating_trace():
-    """The motivating bug as a 4-operation trace (minimised by kvprop on vLLM 0.23.0, README):
+    """The motivating bug as a 4-operation trace (minimised by kvprop on vLLM 0.23.0, docs/findings.md):
     a fixed find for tests that need one, independent of what the sampler draws."""
     config = EngineConfig(
         AllocatorConfig((FullAttention(3), SlidingWindow(3, 4)), 18), token_budget=9, lookahead=0, connector="sync"
@@ -130,7 +130,7 @@ def readback_mismatches(mgr, requests) -> list[tuple]:
 
 
 def checkpoint_find(name: str, target=None) -> Trace:
-    """The minimised traces of vLLM 0.33.0's two prefill-checkpoint finds (README, finds)."""
+    """The minimised traces of vLLM 0.33.0's two prefill-checkpoint finds (docs/findings.md)."""
     from kvprop.search import trace as tr
 
     mamba = {"kind": "mamba", "mode": "align", "checkpoint": 1}
@@ -164,7 +164,7 @@ def checkpoint_find(name: str, target=None) -> Trace:
 
 
 def report_find(name: str, target=None) -> Trace:
-    """The minimised traces of vLLM's two full-report finds (README, finds)."""
+    """The minimised traces of vLLM's two full-report finds (docs/findings.md)."""
     from kvprop.search import trace as tr
 
     config = {

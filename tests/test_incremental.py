@@ -12,7 +12,7 @@ from kvprop.search.execute import execute
 from kvprop.search.walk import plan, run_walk
 from kvprop.targets.variants import VARIANTS
 
-MAX_WALKS = 200  # per variant; the walker finds each within a few dozen (README, `kvprop bugs`) but
+MAX_WALKS = 200  # per variant; the walker finds each within a few dozen (`kvprop bugs`) but
 # the motivating bug, found at walk seed 181
 # ... and this engine variant (a hit inside a block, then a chunk saving a checkpoint), first
 # found at walk seed 352: its replays would cost CI a minute; the two other checkpoint

@@ -31,7 +31,7 @@ BEYOND_BUDGET = {
 
 # vLLM 0.33.0's copy of a block keyed in the current step needs a hybrid shape with hits inside
 # a block where the state group's hit at the boundary is older than full attention's key: the
-# walker finds it only in a long search (README, finds; `kvprop fuzz --variant
+# walker finds it only in a long search (`kvprop fuzz --variant
 # copy-before-compute`), and tests/test_same_step_copy.py replays that find.
 BEYOND_THE_WALKS = {"copy-before-compute"}
 

@@ -132,7 +132,7 @@ class MambaManager(SingleTypeManager):
         block, or a scratch column the manager has just moved to the new running state (the
         worker's table only grows), whose state the checkpoint then overwrites. kvprop keeps a
         scratch column there in place as if it held a checkpoint; the variant
-        ``checkpoint-over-running-state`` is vLLM's rule (README, finds)."""
+        ``checkpoint-over-running-state`` is vLLM's rule (docs/findings.md)."""
         self.checkpoints.pop(request_id, None)
         if self.checkpoint is None:
             return 0

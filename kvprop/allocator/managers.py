@@ -202,7 +202,7 @@ class FullAttentionManager(SingleTypeManager):
     pass, or it receives a copy this step) cannot be a copy's source until the next step:
     such a hit is refused for the rest of the step, as the state group refuses a state
     computed this step. vLLM 0.33.0 has no such rule for attention groups and copies what the
-    block held before (README, finds); variant ``copy-before-compute`` is its rule."""
+    block held before (docs/findings.md); variant ``copy-before-compute`` is its rule."""
 
     guard_same_step_copy = True
 

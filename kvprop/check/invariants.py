@@ -507,7 +507,7 @@ def _expect_computed(engine, view, table_of, slots, expected, origin, only: set 
     those tokens). ``only``: just these slots, the positions a block copy filled. A copy brings
     whatever its source held, so the value it wrote proves nothing: it must read back as the
     request computing there expects (a copy that ran before its source was computed, vLLM
-    0.33.0; README, finds)."""
+    0.33.0; docs/findings.md)."""
     bs, null = view.block_size, view.null_block_id
     blocks = None if only is None else {slot // bs for slot in only}
     for rid, request in engine.requests.items():

@@ -6,9 +6,8 @@ the swarm weights with the walker's own samplers (``sample_config``, ``sample_we
 then one rule, ``operation``, draws every step's operation by those weights from the
 operations that would do something now. Hypothesis would otherwise pick its rules uniformly
 and its bounded integers with a strong lean to the low end: a third of the shapes without
-prefix caching, half with one group or a pool under 8 blocks; with its own rule choice the
-motivating bug took 3.3 times the steps the walker takes (README, "The state machine's
-generation").
+prefix caching, half with one group or a pool under 8 blocks; with its own rule choice it
+needed several times the walker's steps to find the motivating bug.
 """
 
 from __future__ import annotations
