@@ -7,7 +7,7 @@ FUZZ_SECONDS ?= 180
 FUZZ_ARGS ?=
 PROFILE ?= ci
 
-.PHONY: all setup test test-fast fuzz repro bench bench-quick lint docs clean vllm-env test-vllm vllm-matrix
+.PHONY: all setup test test-fast fuzz repro bench bench-quick benchmarks lint docs clean vllm-env test-vllm vllm-matrix
 
 all: test
 
@@ -61,6 +61,11 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(BIN)/kvprop bench --quick
+
+# docs/benchmarks.md, generated: the tables of the short runs (the full ones take far longer),
+# headed by the command, the date and the machine that measured them.
+benchmarks: $(STAMP)
+	$(BIN)/kvprop bench --quick --markdown docs/benchmarks.md
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvprop tests bench examples

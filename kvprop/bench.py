@@ -1,7 +1,9 @@
 """``kvprop bench``: throughput, scaling and time-to-find, both drivers side by side.
 
 Figures are wall-clock on whatever machine runs them; compare ratios measured in one run.
-Nothing here is asserted: targets live in the README next to the measured tables.
+Nothing here is asserted: the targets part states each speed target beside the measured value.
+The tables are rendered by ``kvprop.bench_doc`` (``--markdown PATH`` writes them as a document,
+docs/benchmarks.md through ``make benchmarks``).
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
 
+from kvprop import bench_doc
 from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, Mamba, SlidingWindow
 from kvprop.check.checker import Checker
 from kvprop.errors import ConfigError
@@ -296,29 +300,6 @@ def time_to_find(quick: bool) -> list[dict]:
     return [_find_row(variant, driver, seeds, cap[driver]) for variant in VARIANTS for driver in DRIVERS]
 
 
-def _table(title: str, rows: list[dict]) -> str:
-    if not rows:
-        return f"{title}: (no rows)"
-    cols = list(rows[0])
-    width = {c: max(len(c), *(len(_fmt(r[c])) for r in rows)) for c in cols}
-    lines = [
-        f"## {title}",
-        "",
-        "| " + " | ".join(c.ljust(width[c]) for c in cols) + " |",
-        "|" + "|".join("-" * (width[c] + 2) for c in cols) + "|",
-    ]
-    lines += ["| " + " | ".join(_fmt(r[c]).rjust(width[c]) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def _fmt(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, int) and not isinstance(v, bool):
-        return f"{v:,}"
-    return str(v)
-
-
 CROSS_GROUP = "interleaved-external-alloc"  # the motivating bug: the targets table's time-to-find rows
 
 
@@ -384,8 +365,6 @@ def load_baseline(path: str) -> dict:
     (the same command on the previous code): the "before" column. Read as data, checked
     before anything is measured."""
     where = f"baseline {path!r}"
-    from pathlib import Path
-
     from kvprop.search.trace import TraceError, read_regular
 
     try:
@@ -416,7 +395,13 @@ PARTS = ("throughput", "supervision", "scaling", "time_to_find", "vllm", "target
 DEFAULT_PARTS = tuple(part for part in PARTS if part != "vllm")  # vllm needs a vLLM environment
 
 
-def main(quick: bool = False, as_json: bool = False, parts=DEFAULT_PARTS, baseline: str | None = None) -> int:
+def main(
+    quick: bool = False,
+    as_json: bool = False,
+    parts=DEFAULT_PARTS,
+    baseline: str | None = None,
+    markdown: str | None = None,
+) -> int:
     funcs = {
         "throughput": throughput,
         "supervision": supervision,
@@ -424,6 +409,8 @@ def main(quick: bool = False, as_json: bool = False, parts=DEFAULT_PARTS, baseli
         "time_to_find": time_to_find,
         "vllm": vllm,
     }
+    if markdown is not None and not Path(markdown).parent.is_dir():
+        raise ConfigError(f"--markdown {markdown!r}: its folder does not exist")
     before = load_baseline(baseline) if baseline is not None else None
     if before is not None and "targets" not in parts:
         raise ConfigError("--baseline adds a column to the targets table: name the targets part too")
@@ -433,7 +420,9 @@ def main(quick: bool = False, as_json: bool = False, parts=DEFAULT_PARTS, baseli
         if part == "targets" and before is not None:
             result[part] = with_baseline(result[part], before)
         if not as_json:
-            print(_table(part.replace("_", " "), result[part]) + "\n", flush=True)
+            print(bench_doc.table(part.replace("_", " "), result[part]) + "\n", flush=True)
     if as_json:
         print(json.dumps(result, indent=1))
+    if markdown is not None:
+        bench_doc.write(markdown, result, bench_doc.command_line(quick, parts, DEFAULT_PARTS, markdown))
     return 0

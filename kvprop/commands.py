@@ -678,7 +678,11 @@ def cmd_bench(args) -> int:
 
 def _bench(bench, args) -> int:
     return bench.main(
-        quick=args.quick, as_json=args.json, parts=args.parts or bench.DEFAULT_PARTS, baseline=args.baseline
+        quick=args.quick,
+        as_json=args.json,
+        parts=args.parts or bench.DEFAULT_PARTS,
+        baseline=args.baseline,
+        markdown=args.markdown,
     )
 
 
