@@ -34,7 +34,12 @@ class Block:
 
 
 class FreeBlockQueue:
-    """Doubly linked list of free blocks between two sentinels, head = next to be evicted."""
+    """Doubly linked list of free blocks between two sentinels, head = next to be evicted.
+
+    The links of a queued block and the sentinels' inner links are never None; the asserts
+    below state that for the type checker. Unguarded (``guards.ENABLED = False``), a block
+    that is not in the queue fails at them, a target crash as it would be on the None.
+    """
 
     def __init__(self, blocks: Iterable[Block], changed: set | None = None):
         self.changed = changed if changed is not None else set()
@@ -50,6 +55,7 @@ class FreeBlockQueue:
 
     def popleft(self) -> Block:
         block = self.head.next
+        assert block is not None  # the head links to the first free block or to the tail
         if guards.ENABLED and block is self.tail:
             raise AllocatorError("popleft from an empty free queue")
         self.remove(block)
@@ -58,8 +64,10 @@ class FreeBlockQueue:
     def remove(self, block: Block) -> None:
         if guards.ENABLED and (block.prev is None or block.next is None):
             raise AllocatorError(f"block {block.block_id} is not in the free queue")
-        block.prev.next = block.next
-        block.next.prev = block.prev
+        prev, nxt = block.prev, block.next
+        assert prev is not None and nxt is not None  # a queued block sits between two links
+        prev.next = nxt
+        nxt.prev = prev
         block.prev = block.next = None
         self.num_free -= 1
         self.changed.add(block.block_id)
@@ -67,14 +75,18 @@ class FreeBlockQueue:
     def insert_after(self, anchor: Block, block: Block) -> None:
         if guards.ENABLED and (block.prev is not None or block.next is not None):
             raise AllocatorError(f"block {block.block_id} is already in the free queue")
-        block.prev, block.next = anchor, anchor.next
-        anchor.next.prev = block
+        after = anchor.next
+        assert after is not None  # the anchor is the head or a queued block: a block follows it
+        block.prev, block.next = anchor, after
+        after.prev = block
         anchor.next = block
         self.num_free += 1
         self.changed.add(block.block_id)
 
     def append(self, block: Block) -> None:
-        self.insert_after(self.tail.prev, block)
+        last = self.tail.prev
+        assert last is not None  # the tail follows the last free block or the head
+        self.insert_after(last, block)
 
     def appendleft(self, block: Block) -> None:
         self.insert_after(self.head, block)
@@ -184,8 +196,9 @@ class BlockPool:
         if self.events is not None:
             self.events.extend(Removed(key) for key in keys)
 
-    def _insert(self, key: CacheKey, block: Block, num_tokens: int) -> bool:
-        """Cache ``block`` under ``key``; False if it already was."""
+    def _insert(self, key: CacheKey, block: Block, num_tokens: int | None) -> bool:
+        """Cache ``block`` under ``key``; False if it already was. ``num_tokens`` becomes its
+        ``key_tokens`` when this is its first key (None where the caller does not say)."""
         entry = self.cached.setdefault(key, {})
         if block.key == key or block.block_id in entry:
             return False

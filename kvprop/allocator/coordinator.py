@@ -74,6 +74,7 @@ class KVCacheCoordinator:
             length = candidate
             if one_pass:
                 break
+        assert first is not None  # the first pass looks up every group, and a config has at least one
         for g, spec in enumerate(self.config.groups):
             if isinstance(spec, FullAttention):
                 del found[g][cdiv(length, self.block_size) :]

@@ -44,7 +44,7 @@ def kept_block_mask(spec, interval: int | None, boundaries, start: int, end: int
     if interval is None:
         return [need > 0] * (end - start)
     per = interval // bs
-    tails = set()
+    tails: set[int] = set()
     for boundary in boundaries:
         last = boundary // bs + shift
         tails.update(range(max(0, last - need), last))

@@ -60,7 +60,7 @@ class AllocatorView:
         return [b.block_id for b in self.pool.free_queue.backward()]
 
     def free_queue_prefix(self, n: int) -> list[int]:
-        out = []
+        out: list[int] = []
         for block in self.pool.free_queue.forward():
             if len(out) >= n:
                 break
