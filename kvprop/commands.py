@@ -543,8 +543,8 @@ def _take_release_rules(args) -> str:
     names them."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from kvprop.targets.vllm import INSTALL_HINT
-    from kvprop.targets.vllm_releases import as_flags, release_rules
+    from kvprop.targets.vllm.manager import INSTALL_HINT
+    from kvprop.targets.vllm.releases import as_flags, release_rules
 
     given = as_flags(_release_options(args))
     if given:
@@ -570,7 +570,7 @@ def _release_options(args) -> dict:
 
 def _agree_flags(args) -> str:
     """The options this run compared with, as flags (the reproduce line repeats them)."""
-    from kvprop.targets.vllm_releases import as_flags
+    from kvprop.targets.vllm.releases import as_flags
 
     return "--release-rules" if args.release_rules else as_flags(_release_options(args))
 

@@ -128,8 +128,8 @@ import traceback
 try:
     from kvprop.allocator.specs import AllocatorConfig, FullAttention, SlidingWindow
     from kvprop.allocator.specs import EngineConfig
-    from kvprop.targets.vllm import make_target
-    from kvprop.targets.vllm_setup import build_scheduler
+    from kvprop.targets.vllm.config import build_scheduler
+    from kvprop.targets.vllm.manager import make_target
 
     config = AllocatorConfig((FullAttention(4), SlidingWindow(4, 16)), 13)
     make_target(config)
@@ -261,8 +261,8 @@ import vllm  # noqa: E402
 assert vllm.__version__ == sys.argv[1], (vllm.__version__, sys.argv[1])
 from kvprop.allocator.specs import AllocatorConfig, FullAttention, SlidingWindow  # noqa: E402
 from kvprop.allocator.specs import EngineConfig  # noqa: E402
-from kvprop.targets.vllm import make_target  # noqa: E402
-from kvprop.targets.vllm_setup import build_scheduler  # noqa: E402
+from kvprop.targets.vllm.config import build_scheduler  # noqa: E402
+from kvprop.targets.vllm.manager import make_target  # noqa: E402
 
 config = AllocatorConfig((FullAttention(4), SlidingWindow(4, 16)), 13)
 allocator, view = make_target(config)

@@ -7,7 +7,7 @@
 # walk budget (kvprop fuzz --target vllm --workers 1 --max-runs 300 --seconds 600 --seed 0),
 # the step-for-step agreement with kvprop's model (kvprop agree --walks 100 --release-rules: what
 # the release lacks of kvprop's model and the rules of its finds kvprop fixes,
-# kvprop/targets/vllm_releases.py) and the coverage of vLLM's KV core (kvprop coverage
+# kvprop/targets/vllm/releases.py) and the coverage of vLLM's KV core (kvprop coverage
 # --seconds $VLLM_MATRIX_COVERAGE_SECONDS, default 60), then print one row per release:
 #
 #   release | builds | tests (passed/failed) | steps | verdict (clean / found KIND) | agree | coverage

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvprop.targets.vllm_releases import RULES_0_33, as_flags, release_rules
+from kvprop.targets.vllm.releases import RULES_0_33, as_flags, release_rules
 
 BUG = "interleaved-external-alloc"
 ROOT = Path(__file__).resolve().parent.parent

@@ -82,7 +82,7 @@ def test_load_factory_returns_the_callable():
 def test_vllm_target_without_vllm_says_how_to_install(monkeypatch):
     """Where vLLM is absent (or, here, made unimportable) the built-in 'vllm' target
     explains how to build an environment that has it."""
-    import kvprop.targets.vllm as vllm_target
+    from kvprop.targets.vllm import manager as vllm_target
 
     monkeypatch.setitem(sys.modules, "vllm", None)
     monkeypatch.setattr(vllm_target, "_VLLM", None)

@@ -151,10 +151,10 @@ PROBES_LEFT = {
     "kvprop/capabilities.py": (2, "the declaration's own fields"),
     "kvprop/targets/__init__.py": (3, "the attribute the user named; a registered target's factory and shapes"),
     "kvprop/targets/protocol.py": (5, "a declaration held to its word once at build; the completed view's forwarding"),
-    "kvprop/targets/vllm.py": (15, "the installed vLLM release's API, which differs between releases"),
-    "kvprop/targets/vllm_offload.py": (3, "the installed vLLM release's API"),
-    "kvprop/targets/vllm_scheduler.py": (5, "the installed vLLM release's API"),
-    "kvprop/targets/vllm_setup.py": (1, "the installed vLLM release's API"),
+    "kvprop/targets/vllm/config.py": (1, "the installed vLLM release's API"),
+    "kvprop/targets/vllm/manager.py": (15, "the installed vLLM release's API, which differs between releases"),
+    "kvprop/targets/vllm/offload.py": (3, "the installed vLLM release's API"),
+    "kvprop/targets/vllm/scheduler.py": (5, "the installed vLLM release's API"),
 }
 
 

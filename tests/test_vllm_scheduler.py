@@ -30,7 +30,7 @@ from kvprop.search.walk import plan, run_walk  # noqa: E402
 from kvprop.sim.engine import EV_LOAD_FAIL, EV_PREEMPT, EV_SPEC_ACCEPT, EV_SPEC_REJECT  # noqa: E402
 from kvprop.sim.request import Status  # noqa: E402
 from kvprop.targets import build_engine  # noqa: E402
-from kvprop.targets.vllm_scheduler import refusal  # noqa: E402
+from kvprop.targets.vllm.config import refusal  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 RELEASE = Version(vllm.__version__).release[:2]
@@ -165,7 +165,7 @@ def test_a_padded_decode_waits_forever_under_a_budget_below_one_plus_k():
     step's budget, so with max_num_batched_tokens 1 and K = 1 (which vLLM's config accepts for
     n-gram drafting) r1 never runs. The target refuses such budgets; built directly, it shows."""
     from kvprop.errors import Violation
-    from kvprop.targets.vllm_scheduler import SchedulerEngine
+    from kvprop.targets.vllm.scheduler import SchedulerEngine
 
     checker = Checker()
     config = EngineConfig(AllocatorConfig((FullAttention(4),), 3), token_budget=1, speculative_tokens=1)
@@ -533,7 +533,7 @@ def test_the_walker_finds_the_cross_group_bug_through_the_connector_from_scratch
 
 def test_the_shapes_it_declares_for_this_release_are_almost_never_refused():
     """The sampler draws what this release's scheduler target declares it builds
-    (``vllm_setup.scheduler_shapes``): at most 5% of the draws are refused."""
+    (``vllm.config.scheduler_shapes``): at most 5% of the draws are refused."""
     import random
 
     from kvprop.search.alphabet import RandomChooser, sample_config

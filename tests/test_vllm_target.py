@@ -46,8 +46,8 @@ from kvprop.search.machine import failure_trace, machine_for  # noqa: E402
 from kvprop.search.walk import plan, run_walk  # noqa: E402
 from kvprop.sim.request import Request  # noqa: E402
 from kvprop.targets import build_engine  # noqa: E402
-from kvprop.targets.vllm import make_target  # noqa: E402
-from kvprop.targets.vllm_releases import release_rules  # noqa: E402
+from kvprop.targets.vllm.manager import make_target  # noqa: E402
+from kvprop.targets.vllm.releases import release_rules  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -185,7 +185,7 @@ def test_incremental_checks_find_what_full_sweeps_find(monkeypatch, watched):
     vLLM's blocks (large pools; here every pool): every walk ends the same way (same kind of
     violation at the same step; which block is named first may differ) with incremental
     checks as with a full sweep at every check."""
-    from kvprop.targets import vllm
+    from kvprop.targets.vllm import manager as vllm
 
     monkeypatch.setattr(vllm, "WATCH_FROM_BLOCKS", 0 if watched else 10**9)
 
@@ -419,7 +419,7 @@ def test_the_shapes_it_declares_for_this_release_are_almost_never_refused():
 
     from kvprop.search.alphabet import RandomChooser, sample_config
     from kvprop.targets import shapes_of
-    from kvprop.targets.vllm import allocator_refusal
+    from kvprop.targets.vllm.manager import allocator_refusal
 
     shapes = shapes_of("vllm")
     configs = [sample_config(RandomChooser(random.Random(seed)), shapes) for seed in range(1000)]

@@ -2,7 +2,7 @@
 
 A target is named ``kvprop`` (the default: kvprop's own allocator, or one of its bug
 variants), ``vllm`` (vLLM's own ``KVCacheManager``), ``vllm-scheduler`` (vLLM's own
-``Scheduler`` in charge of the steps, ``kvprop.targets.vllm_scheduler``) or
+``Scheduler`` in charge of the steps, ``kvprop.targets.vllm.scheduler``) or
 ``package.module:factory``. ``protocol`` is the contract — the calls every target answers,
 the capabilities it may declare — and the registry every command resolves a name through;
 ``docs/targets.md`` documents both.

@@ -18,8 +18,8 @@ judges what the worker wrote through the scheduler's block ids.
 Speculative decoding runs as vLLM's n-gram drafting does: after each step the worker hands the
 scheduler kvprop's drafts (``update_draft_token_ids``), the next step schedules them, and the
 output carries the accepted ones and the token after them. vLLM's offloading connector runs
-with kvprop as its worker (``kvprop.targets.vllm_offload``). Building the scheduler, and the
-shapes refused before anything is built, are ``kvprop.targets.vllm_setup``'s; docs/targets.md
+with kvprop as its worker (``offload``). Building the scheduler, and the shapes refused
+before anything is built, are ``config``'s; docs/targets.md
 says what is not driven and why.
 """
 
@@ -42,9 +42,9 @@ from kvprop.sim.engine import (
     StepReport,
 )
 from kvprop.sim.request import Status
-from kvprop.targets.vllm import CAPABILITIES, Hits, VllmAllocator, VllmView
-from kvprop.targets.vllm_offload import OffloadWorker
-from kvprop.targets.vllm_setup import build_scheduler, import_scheduler, refusal
+from kvprop.targets.vllm.config import build_scheduler, import_scheduler, refusal
+from kvprop.targets.vllm.manager import CAPABILITIES, Hits, VllmAllocator, VllmView
+from kvprop.targets.vllm.offload import OffloadWorker
 
 
 def build_engine(config: EngineConfig, device=None, hooks=None, canary: bool = False):

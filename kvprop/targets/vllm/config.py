@@ -22,7 +22,7 @@ import attrs
 from kvprop.allocator.specs import AllocatorConfig, ChunkedLocal, EngineConfig, FullAttention, Mamba
 from kvprop.capabilities import Shapes
 from kvprop.errors import ConfigError
-from kvprop.targets.vllm import (
+from kvprop.targets.vllm.manager import (
     INSTALL_HINT,
     _accepted,
     _call_kwargs,
@@ -118,7 +118,7 @@ def scheduler_shapes() -> Shapes:
     """The shapes kvprop drives through this release's scheduler (``refusal`` says why each
     other one is refused): the manager's, less lookahead slots and the EAGLE drop, with a token
     budget for the drafts, and a state group beside a connector where the release takes one."""
-    from kvprop.targets.vllm import release_shapes
+    from kvprop.targets.vllm.manager import release_shapes
 
     import_scheduler()  # without vLLM, the ConfigError that says how to get it
     return attrs.evolve(
