@@ -107,7 +107,10 @@ class Checker(Hooks):
         # Only blocks that moved since the step began can hold a state key they did not hold then
         # (a key inside a block included: caching one at a boundary inside a keyed block adds it).
         view, mirror = engine.view, self.mirror
-        first = mirror.first_keys
+        first = mirror.first_keys if mirror is not None else None
+        # step_starts leaves no start list only with a mirror, whose first_keys it set; a full
+        # sweep replaces the mirror only between operations, never inside the step
+        assert mirror is not None and first is not None
         moved = view.take_changes()
         self.pending_changes |= moved
         for block_id in moved:  # not judged since the start: the mirror's keys are the start's

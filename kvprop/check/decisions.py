@@ -228,7 +228,8 @@ def _eagle_hit(specs, cached, hashes, limit: int) -> int:
     bs, hashed = specs[0].block_size, len(hashes) * specs[0].block_size
     order = sorted(range(len(specs)), key=lambda g: not isinstance(specs[g], FullAttention))
     one_pass = isinstance(specs[order[0]], FullAttention)
-    length, full, dropped = limit, {}, set()
+    full: dict[int, int] = {}  # group -> its hit, for a full-attention group once it is looked up
+    length, dropped = limit, set()
     while True:
         candidate = length
         for g in order:

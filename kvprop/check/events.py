@@ -20,7 +20,7 @@ from kvprop.errors import Violation
 class EventLedger:
     """The cache map as a router replaying the events sees it: key -> number of blocks."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.counts: Counter = Counter()
 
     def apply(self, events) -> set:

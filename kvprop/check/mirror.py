@@ -15,7 +15,7 @@ from kvprop.check import invariants as inv
 
 
 class Mirror:
-    def __init__(self, view, capabilities):
+    def __init__(self, view, capabilities) -> None:
         self.view = view
         n = view.num_blocks
         self.tables: dict[tuple[str, int], list] = {}  # the block objects, compared by identity

@@ -10,11 +10,21 @@ waiting, which the table and liveness invariants must report.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvprop.sim.engine import Engine as _MixedInto
+else:
+    _MixedInto = object
+
 CANARY = "lost-free"
 
 
-class LostFree:
-    """Engine mixin: the first free is skipped (and the hook that would see it)."""
+class LostFree(_MixedInto):
+    """Engine mixin: the first free is skipped (and the hook that would see it).
+
+    Its base is ``object``; ``with_canary`` puts it before an engine class, whose ``release``
+    the later frees reach, so the type checker reads it as a subclass of ``Engine``."""
 
     canary_fired = False
 

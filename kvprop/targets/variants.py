@@ -300,8 +300,10 @@ class ReannouncesEveryPosition(KVCacheManager):
     sliding window or a state group skipped included, which that group does not hold."""
 
     def _reannounce(self, request, hits) -> None:
+        events = self.pool.events
+        assert events is not None  # the full report is refused without enable_kv_cache_events
         for g, group_hits in enumerate(hits):
-            self.pool.events.extend(Reannounced((request.block_hashes[i], g)) for i in range(len(group_hits)))
+            events.extend(Reannounced((request.block_hashes[i], g)) for i in range(len(group_hits)))
 
 
 class CheckpointKeyedLate(MambaManager):
