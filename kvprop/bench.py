@@ -220,8 +220,8 @@ def vllm(quick: bool) -> list[dict]:
 
 def vllm_here(quick: bool, journal=None, progress=_progress) -> list[dict]:
     """In the worker: walk throughput, and the engine step at two pool sizes with the view's
-    change tracking by snapshots and by watched blocks (``kvprop.targets.vllm.manager.WATCH_FROM_BLOCKS``)."""
-    from kvprop.targets.vllm import manager as target
+    change tracking by snapshots and by watched blocks (``kvprop.targets.vllm.view.WATCH_FROM_BLOCKS``)."""
+    from kvprop.targets.vllm import view as target
 
     _walk_rate(0.01, False, None, target="vllm")  # imports vLLM (a ConfigError without it), not timed
     seconds, steps = (2.0, 20) if quick else (8.0, 60)

@@ -543,7 +543,7 @@ def _take_release_rules(args) -> str:
     names them."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from kvprop.targets.vllm.manager import INSTALL_HINT
+    from kvprop.targets.vllm.loading import INSTALL_HINT
     from kvprop.targets.vllm.releases import as_flags, release_rules
 
     given = as_flags(_release_options(args))

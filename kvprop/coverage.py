@@ -190,7 +190,7 @@ def _scope_of(files, include, measured) -> Scope:
 def _vllm_scope(target: str = "vllm") -> Scope:
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
-        from kvprop.targets.vllm.manager import INSTALL_HINT  # kvprop's own advice: how to build a vLLM environment
+        from kvprop.targets.vllm.loading import INSTALL_HINT  # kvprop's own advice: how to build a vLLM environment
 
         raise ConfigError(
             f"target {target!r} needs vLLM importable, but there is no module named 'vllm'; {INSTALL_HINT}"
@@ -261,7 +261,7 @@ def _warm(target) -> None:
         warnings.simplefilter("ignore")
         for name in ("torch", *WARM.get(target, ())):
             if name.startswith("vllm"):
-                os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # as kvprop.targets.vllm.manager does
+                os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # as kvprop.targets.vllm.loading does
             try:
                 importlib.import_module(name)
             except Exception:  # noqa: BLE001 - building the target under measurement says what is wrong

@@ -82,9 +82,9 @@ def test_load_factory_returns_the_callable():
 def test_vllm_target_without_vllm_says_how_to_install(monkeypatch):
     """Where vLLM is absent (or, here, made unimportable) the built-in 'vllm' target
     explains how to build an environment that has it."""
-    from kvprop.targets.vllm import manager as vllm_target
+    from kvprop.targets.vllm import loading
 
     monkeypatch.setitem(sys.modules, "vllm", None)
-    monkeypatch.setattr(vllm_target, "_VLLM", None)
+    monkeypatch.setattr(loading, "_VLLM", None)
     with pytest.raises(ConfigError, match=r"make vllm-env VLLM_VERSION=0\.24\.0"):
         build_engine(CONFIG, target="vllm")

@@ -30,7 +30,7 @@ from kvprop.search.walk import plan, run_walk  # noqa: E402
 from kvprop.sim.engine import EV_LOAD_FAIL, EV_PREEMPT, EV_SPEC_ACCEPT, EV_SPEC_REJECT  # noqa: E402
 from kvprop.sim.request import Status  # noqa: E402
 from kvprop.targets import build_engine  # noqa: E402
-from kvprop.targets.vllm.config import refusal  # noqa: E402
+from kvprop.targets.vllm.releases import scheduler_refusal  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 RELEASE = Version(vllm.__version__).release[:2]
@@ -46,7 +46,7 @@ def runnable_seeds(count: int, start: int = 0):
     """Walk seeds whose configuration this target drives (the others are refused, never run)."""
     seeds, seed = [], start
     while len(seeds) < count:
-        if refusal(plan(seed).config) is None:
+        if scheduler_refusal(plan(seed).config) is None:
             seeds.append(seed)
         seed += 1
     return seeds
@@ -533,7 +533,7 @@ def test_the_walker_finds_the_cross_group_bug_through_the_connector_from_scratch
 
 def test_the_shapes_it_declares_for_this_release_are_almost_never_refused():
     """The sampler draws what this release's scheduler target declares it builds
-    (``vllm.config.scheduler_shapes``): at most 5% of the draws are refused."""
+    (``vllm.shapes.scheduler_shapes``): at most 5% of the draws are refused."""
     import random
 
     from kvprop.search.alphabet import RandomChooser, sample_config
@@ -541,5 +541,5 @@ def test_the_shapes_it_declares_for_this_release_are_almost_never_refused():
 
     shapes = shapes_of("vllm-scheduler")
     configs = [sample_config(RandomChooser(random.Random(seed)), shapes) for seed in range(1000)]
-    refused = [why for config in configs if (why := refusal(config)) is not None]
+    refused = [why for config in configs if (why := scheduler_refusal(config)) is not None]
     assert len(refused) <= 50, refused[:3]

@@ -185,16 +185,16 @@ def test_incremental_checks_find_what_full_sweeps_find(monkeypatch, watched):
     vLLM's blocks (large pools; here every pool): every walk ends the same way (same kind of
     violation at the same step; which block is named first may differ) with incremental
     checks as with a full sweep at every check."""
-    from kvprop.targets.vllm import manager as vllm
+    from kvprop.targets.vllm import manager, view
 
-    monkeypatch.setattr(vllm, "WATCH_FROM_BLOCKS", 0 if watched else 10**9)
+    monkeypatch.setattr(view, "WATCH_FROM_BLOCKS", 0 if watched else 10**9)
 
     def outcomes():
         results = (run_walk(seed, target="vllm") for seed in range(40))
         return [(r.steps_run, r.failure and (r.failure.kind, r.failure.step)) for r in results]
 
     incremental = outcomes()
-    monkeypatch.setattr(vllm, "CAPABILITIES", attrs.evolve(vllm.CAPABILITIES, change_log=False))  # full sweeps
+    monkeypatch.setattr(manager, "CAPABILITIES", attrs.evolve(manager.CAPABILITIES, change_log=False))  # full sweeps
     assert outcomes() == incremental
 
 
@@ -414,12 +414,12 @@ def test_kvprop_and_vllm_agree_step_for_step_with_the_eagle_drop():
 
 def test_the_shapes_it_declares_for_this_release_are_almost_never_refused():
     """The sampler draws what this release's manager target declares it builds
-    (``vllm.release_shapes``): at most 5% of the draws are refused."""
+    (``vllm.shapes.release_shapes``): at most 5% of the draws are refused."""
     import random
 
     from kvprop.search.alphabet import RandomChooser, sample_config
     from kvprop.targets import shapes_of
-    from kvprop.targets.vllm.manager import allocator_refusal
+    from kvprop.targets.vllm.releases import allocator_refusal
 
     shapes = shapes_of("vllm")
     configs = [sample_config(RandomChooser(random.Random(seed)), shapes) for seed in range(1000)]

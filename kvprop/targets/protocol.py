@@ -223,7 +223,7 @@ REGISTRY = {
             "kvprop.targets.vllm.manager:make_target",
             "vLLM's own v1 KVCacheManager, driven by kvprop's scheduler",
             VLLM_CAPABILITIES,
-            shapes="kvprop.targets.vllm.manager:release_shapes",
+            shapes="kvprop.targets.vllm.shapes:release_shapes",
             package="vllm",
         ),
         Target(
@@ -231,7 +231,7 @@ REGISTRY = {
             "kvprop.targets.vllm.scheduler:build_engine",
             "vLLM's own Scheduler (and OffloadingConnector) in charge of every step",
             VLLM_CAPABILITIES,
-            shapes="kvprop.targets.vllm.config:scheduler_shapes",
+            shapes="kvprop.targets.vllm.shapes:scheduler_shapes",
             own_scheduler=True,
             package="vllm",
         ),

@@ -1,68 +1,209 @@
-"""Building vLLM's own ``Scheduler`` for a kvprop configuration, offline and on a CPU.
+"""vLLM's own configurations and KV cache specs built from kvprop's, and the manager and scheduler built from them.
 
-vLLM's ``ModelConfig`` reads the architecture from a ``config.json`` only (a tiny Llama; no
-weights, no tokenizer); the cache, scheduler, speculative and transfer configurations are
-the release's own classes, given only the keyword arguments the installed release accepts,
-and otherwise left at its defaults, as its engine leaves them. ``refusal`` says which shapes
-the scheduler target cannot drive, before anything is built.
+Only keyword arguments the installed release's signatures accept are passed (``call_kwargs``),
+so the same code builds every release that keeps these calls; one it cannot build is a
+``ConfigError`` that says why. The scheduler is built offline and on a CPU: vLLM's
+``ModelConfig`` reads the architecture from a ``config.json`` only (a tiny Llama; no weights,
+no tokenizer); the cache, scheduler, speculative and transfer configurations are the release's
+own classes, otherwise left at its defaults, as its engine leaves them.
 """
 
 from __future__ import annotations
 
 import atexit
-import functools
+import contextlib
+import dataclasses
 import inspect
 import json
+import os
 import shutil
 import tempfile
-from types import SimpleNamespace
 
-import attrs
-
-from kvprop.allocator.specs import AllocatorConfig, ChunkedLocal, EngineConfig, FullAttention, Mamba
-from kvprop.capabilities import Shapes
-from kvprop.errors import ConfigError
-from kvprop.targets.vllm.manager import (
-    INSTALL_HINT,
-    _accepted,
-    _call_kwargs,
-    _environment,
-    _import_vllm,
-    _retention_setting,
-    allocator_refusal,
-    importing_vllm,
-    vllm_specs,
+from kvprop.allocator.specs import (
+    THINNED_BY_RETENTION,
+    AllocatorConfig,
+    ChunkedLocal,
+    EngineConfig,
+    FullAttention,
+    Mamba,
+    SlidingWindow,
 )
+from kvprop.errors import ConfigError
+from kvprop.targets.vllm.loading import INSTALL_HINT, import_scheduler, import_vllm
+from kvprop.targets.vllm.releases import allocator_refusal
 
-_SCHED = None
 _MODEL_DIRS: dict[int, str] = {}
 
 
-def import_scheduler() -> SimpleNamespace:
-    """vLLM's scheduler API, imported once; a missing piece is a ConfigError that says how to get it."""
-    global _SCHED
-    if _SCHED is not None:
-        return _SCHED
-    v = _import_vllm()
-    with importing_vllm("vllm-scheduler", "vLLM's scheduler"):
-        from vllm import config as vc
-        from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
-        from vllm.v1.request import RequestStatus
-        from vllm.v1.structured_output import StructuredOutputManager
-    _SCHED = SimpleNamespace(
-        v=v,
-        config=vc,
-        Scheduler=Scheduler,
-        DraftTokenIds=DraftTokenIds,
-        KVConnectorOutput=KVConnectorOutput,
-        ModelRunnerOutput=ModelRunnerOutput,
-        # up to 0.33.0 an output maps each request id to its row; 0.34.0 reads the rows' order
-        indexed_outputs="req_id_to_index" in _accepted(ModelRunnerOutput),
-        RequestStatus=RequestStatus,
-        StructuredOutputManager=StructuredOutputManager,
+def accepted(fn) -> dict:
+    """Parameter name -> default of ``fn`` (``inspect.Parameter.empty`` when required)."""
+    return {name: p.default for name, p in inspect.signature(fn).parameters.items() if name != "self"}
+
+
+def call_kwargs(what: str, params: dict, kwargs: dict, target: str = "vllm") -> dict:
+    """The keyword arguments ``params`` accepts; dropping one is fine only at its neutral value."""
+    out = {}
+    for name, value in kwargs.items():
+        if name in params:
+            out[name] = value
+        elif value not in (None, 0, False):
+            raise ConfigError(
+                f"target {target!r}: the installed vLLM's {what} has no parameter {name!r}, "
+                f"so it cannot be asked for {name}={value!r}"
+            )
+    return out
+
+
+def vllm_specs(config: AllocatorConfig, v) -> list:
+    """kvprop's groups as vLLM KV cache specs, one group per kvprop group, same order.
+
+    vLLM's hybrid coordinator looks groups with equal specs up together (as real models
+    with several identical sliding-window groups are) and needs at least two distinct
+    specs; when every kvprop group is the same spec, each gets its own head size, which
+    only tells the groups apart (the allocator never reads it)."""
+    distinct = len(config.groups) > 1 and len(set(config.groups)) == 1
+    specs = []
+    for g, spec in enumerate(config.groups):
+        common = dict(
+            block_size=spec.block_size, num_kv_heads=1, head_size=1 + g if distinct else 1, dtype=v.torch.float32
+        )
+        if isinstance(spec, FullAttention):
+            specs.append(v.kvi.FullAttentionSpec(**common))
+        elif isinstance(spec, SlidingWindow):
+            specs.append(v.kvi.SlidingWindowSpec(**common, sliding_window=spec.window))
+        elif isinstance(spec, ChunkedLocal):
+            specs.append(v.kvi.ChunkedLocalAttentionSpec(**common, attention_chunk_size=spec.chunk))
+        elif isinstance(spec, Mamba):
+            # one state tensor of 1 + g floats (its size only tells groups apart; the allocator
+            # never reads it); mamba_cache_mode is the spec's mode, as vLLM's model config sets it
+            checkpoints = {}
+            if spec.checkpoint is not None:  # (allocator_refusal has refused releases with other rules)
+                # what mamba_mixer2, GDN and KDA layers declare (0.33.0)
+                checkpoints = dict(num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=spec.checkpoint)
+            specs.append(
+                v.kvi.MambaSpec(
+                    block_size=spec.block_size,
+                    shapes=((1 + g,),),
+                    dtypes=(v.torch.float32,),
+                    mamba_cache_mode=spec.mode,
+                    num_speculative_blocks=spec.speculative_blocks,
+                    **checkpoints,
+                )
+            )
+        else:
+            raise ConfigError(f"target 'vllm': no vLLM KV cache spec for group {g}: {spec!r}")
+    return specs
+
+
+RETENTION_ENV = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
+
+
+def _retention_setting(config: AllocatorConfig, v) -> dict:
+    """How this release is told ``config.retention_interval`` (docs/design.md §8.3):
+    ``{"field": {...}}`` for ``KVCacheConfig`` (0.30.0 on, where the engine's default is 0),
+    ``{"env": {...}}`` for the environment variable the coordinator reads when it is built
+    (0.23.0 to 0.25.1, unset by default), or nothing where the value changes nothing. A
+    release with no retention cannot thin a sliding window: ConfigError."""
+    interval = config.retention_interval
+    if "prefix_cache_retention_interval" in {f.name for f in dataclasses.fields(v.kvi.KVCacheConfig)}:
+        return {"field": {"prefix_cache_retention_interval": interval}}
+    thinned = any(isinstance(spec, THINNED_BY_RETENTION) for spec in config.groups)
+    if interval is None or not thinned:
+        # 0 with no group to thin changes nothing, and these releases refuse it set at all
+        # (0.23.0 thins sliding windows only and refuses a state-only model itself)
+        return {}
+    from vllm import envs
+
+    if RETENTION_ENV in getattr(envs, "environment_variables", {}):
+        return {"env": {RETENTION_ENV: str(interval)}}
+    raise ConfigError(
+        f"target 'vllm': vLLM {v.version} has no prefix-cache retention (it caches every sliding-window "
+        f"and state block), so it cannot be asked for retention_interval={interval}; allowed: None"
     )
-    return _SCHED
+
+
+@contextlib.contextmanager
+def _environment(values: dict):
+    """``values`` set in os.environ while the manager is built, then the previous values back."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
+def _metrics_collector():
+    """vLLM's block residency metrics (``--kv-cache-metrics``) with every block sampled, so what
+    they observe does not depend on chance."""
+    from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
+
+    return KVCacheMetricsCollector(1.0)
+
+
+def build_manager(config: AllocatorConfig):
+    """vLLM's ``KVCacheManager`` for ``config``, given what its engine would pass it."""
+    v = import_vllm()
+    block_size = config.block_size
+    wanted = dict(
+        # no request can need more slots than the pool has
+        max_model_len=config.num_blocks * block_size,
+        scheduler_block_size=block_size,
+        hash_block_size=config.unit,
+        enable_caching=config.enable_caching,
+        enable_kv_cache_events=config.enable_kv_cache_events,
+        log_stats=config.log_stats,
+        use_eagle=config.eagle,
+    )
+    params = accepted(v.KVCacheManager.__init__)
+    if config.kv_cache_metrics:
+        wanted["metrics_collector"] = _metrics_collector()
+    if len({spec.block_size for spec in config.groups}) == 1:
+        # A release whose KVCacheManager lacks one of these derives it from the
+        # kv_cache_config itself, and with one block size B in every group that is B,
+        # the value passed here. 0.22.1 (no scheduler_block_size): the coordinator's
+        # alignment unit is UnitaryKVCacheCoordinator.block_size =
+        # kv_cache_groups[0].kv_cache_spec.block_size (times dcp/pcp world sizes, 1
+        # here) and HybridKVCacheCoordinator.lcm_block_size = lcm(*block sizes of the
+        # groups) (vllm/v1/core/kv_cache_coordinator.py), where later releases use the
+        # scheduler_block_size the engine passes: resolve_kv_cache_block_sizes
+        # (vllm/v1/core/kv_cache_utils.py) computes it as that same lcm, and
+        # hash_block_size as the gcd of the group block sizes (or the lcm): B and B.
+        # With unequal block sizes nothing is dropped, so a missing one is a ConfigError.
+        for name in ("scheduler_block_size", "hash_block_size"):
+            if name not in params:
+                del wanted[name]
+    why = allocator_refusal(config)
+    if why is not None:
+        raise ConfigError(f"target 'vllm': vLLM {v.version} takes {why}")
+    missing = [
+        n for n, d in params.items() if d is inspect.Parameter.empty and n not in wanted and n != "kv_cache_config"
+    ]
+    if missing:
+        raise ConfigError(
+            f"target 'vllm': vLLM {v.version}'s KVCacheManager needs {missing}, which kvprop cannot supply"
+        )
+    retention = _retention_setting(config, v)
+    try:
+        kv_cache_config = v.kvi.KVCacheConfig(
+            num_blocks=config.num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[v.kvi.KVCacheGroupSpec([f"layer{g}"], s) for g, s in enumerate(vllm_specs(config, v))],
+            **retention.get("field", {}),
+        )
+        wanted["kv_cache_config"] = kv_cache_config
+        with _environment(retention.get("env", {})):
+            return v.KVCacheManager(**call_kwargs("KVCacheManager()", params, wanted))
+    except ConfigError:
+        raise
+    except (AssertionError, ValueError, TypeError, NotImplementedError) as e:
+        raise ConfigError(
+            f"target 'vllm': vLLM {v.version} cannot build an allocator for {config}: {type(e).__name__}: {e}"
+        ) from e
 
 
 def _model_dir(vocab: int) -> str:
@@ -93,7 +234,7 @@ def _model_dir(vocab: int) -> str:
 def _build(cls, what: str, **wanted):
     """``cls(**wanted)`` with only the keyword arguments this release's ``cls`` accepts; one it
     lacks is dropped only at its neutral value (as the manager target's calls)."""
-    return cls(**_call_kwargs(what, _accepted(cls), wanted, target="vllm-scheduler"))
+    return cls(**call_kwargs(what, accepted(cls), wanted, target="vllm-scheduler"))
 
 
 def _tensor(v, layer: str, page: int, num_blocks: int):
@@ -112,75 +253,6 @@ def _cpu_block_bytes(page: int) -> int:
 
     align = int(getattr(CPUOffloadingSpec, "BLOCK_SIZE_ALIGNMENT", 1))
     return -(-page // align) * align
-
-
-def scheduler_shapes() -> Shapes:
-    """The shapes kvprop drives through this release's scheduler (``refusal`` says why each
-    other one is refused): the manager's, less lookahead slots and the EAGLE drop, with a token
-    budget for the drafts, and a state group beside a connector where the release takes one."""
-    from kvprop.targets.vllm.manager import release_shapes
-
-    import_scheduler()  # without vLLM, the ConfigError that says how to get it
-    return attrs.evolve(
-        release_shapes(),
-        lookahead=False,
-        eagle=False,
-        drafts_within_budget=True,
-        state_with_connector=_takes_connector_with_state_groups(),
-        local_with_connector=_builds(_LOCAL_WITH_CONNECTOR),
-    )
-
-
-# A chunked-local group beside the offloading connector: 0.24.0's connector asserts every
-# group is full attention or a window (``get_sliding_window_size_in_blocks``); 0.34.0 takes it.
-_LOCAL_WITH_CONNECTOR = EngineConfig(
-    AllocatorConfig((ChunkedLocal(4, 8), FullAttention(4)), 16), token_budget=8, connector="async"
-)
-
-
-def _builds(config: EngineConfig) -> bool:
-    """Whether this release's own start-up builds a scheduler for ``config``: its validation
-    called, not re-implemented."""
-    try:
-        build_scheduler(config)
-    except ConfigError:
-        return False
-    return True
-
-
-def refusal(config: EngineConfig) -> str | None:
-    """Why this target cannot run ``config`` yet, or None."""
-    if config.lookahead:
-        return (
-            f"lookahead slots are not driven through vLLM's scheduler (lookahead={config.lookahead}; allowed: 0): "
-            "vLLM derives them from an EAGLE drafter's own forward pass, which kvprop does not model"
-        )
-    if config.speculative_tokens and config.token_budget < 1 + config.speculative_tokens:
-        # vLLM pads (0.30.0 on) a request whose hit leaves one token to 1 + K rows and, when they
-        # do not fit the step's budget, schedules nothing rather than one row: with a budget under
-        # 1 + K such a request waits forever (README, the scheduler target's finds)
-        return (
-            f"with {config.speculative_tokens} drafts vLLM's scheduler needs a token budget of at least "
-            f"{1 + config.speculative_tokens} (token_budget={config.token_budget})"
-        )
-    if config.allocator.eagle:
-        return (
-            "the EAGLE drop is not driven through vLLM's scheduler (eagle must be False): it drafts by "
-            "n-grams here, and an EAGLE or MTP drafter needs a draft model's configuration"
-        )
-    if config.connector != "off" and any(isinstance(spec, Mamba) for spec in config.allocator.groups):
-        if not _takes_connector_with_state_groups():
-            return "this vLLM's scheduler does not take a KV connector with a Mamba group (it asserts so)"
-    why = allocator_refusal(config.allocator)
-    return None if why is None else f"this vLLM takes {why}"
-
-
-@functools.cache
-def _takes_connector_with_state_groups() -> bool:
-    """0.22.1 asserts in ``_mamba_block_aligned_split`` that no external tokens reach a state group
-    ("External KV connector is not verified yet"). The release's source is read as text, once."""
-    split = inspect.getsource(import_scheduler().Scheduler._mamba_block_aligned_split)
-    return "External KV connector is not verified yet" not in split
 
 
 def build_scheduler(config: EngineConfig):

@@ -12,8 +12,17 @@ from __future__ import annotations
 
 import functools
 import inspect
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import attrs
+
+from kvprop.allocator.specs import EngineConfig
+
+if TYPE_CHECKING:
+    from kvprop.sim.engine import Hooks
+    from kvprop.sim.memory import PagedMemory
+    from kvprop.sim.request import Request
 
 
 @attrs.define
@@ -43,6 +52,17 @@ def transfer_from(job_id: int, job, load: bool) -> Transfer:
 
 class OffloadWorker:
     """Engine mixin: the worker's transfers and its CPU tier."""
+
+    # what it reads of the engine it is mixed into (kvprop's engine with vLLM's scheduler in charge)
+    config: EngineConfig
+    specs: tuple
+    block_size: int
+    hooks: Hooks
+    memory: PagedMemory
+    requests: dict[str, Request]
+    loading: dict[str, Request]
+    scheduler: Any  # vLLM's Scheduler
+    s: SimpleNamespace  # vLLM's scheduler API (loading.import_scheduler)
 
     def _init_transfers(self) -> None:
         self.offloaded: dict[int, list[int]] = {}  # CPU block id -> the GPU block's slots stored there
@@ -84,7 +104,8 @@ class OffloadWorker:
             request = self.requests.get(transfer.request_id)
             if request is not None:
                 self.hooks.before_load_write(self, request, transfer.gpu)
-            slots, values = [], []
+            slots: list[int] = []
+            values: list[int] = []
             for (_, block), cpu in zip(transfer.gpu, transfer.cpu, strict=True):
                 slots.extend(range(block * bs, (block + 1) * bs))
                 values.extend(self.offloaded.get(cpu, [-1] * bs))

@@ -18,8 +18,8 @@ judges what the worker wrote through the scheduler's block ids.
 Speculative decoding runs as vLLM's n-gram drafting does: after each step the worker hands the
 scheduler kvprop's drafts (``update_draft_token_ids``), the next step schedules them, and the
 output carries the accepted ones and the token after them. vLLM's offloading connector runs
-with kvprop as its worker (``offload``). Building the scheduler, and the shapes refused
-before anything is built, are ``config``'s; docs/targets.md
+with kvprop as its worker (``offload``). Building the scheduler is ``config``'s, and the shapes
+refused before anything is built are ``releases``' (``scheduler_refusal``); docs/targets.md
 says what is not driven and why.
 """
 
@@ -42,16 +42,19 @@ from kvprop.sim.engine import (
     StepReport,
 )
 from kvprop.sim.request import Status
-from kvprop.targets.vllm.config import build_scheduler, import_scheduler, refusal
-from kvprop.targets.vllm.manager import CAPABILITIES, Hits, VllmAllocator, VllmView
+from kvprop.targets.vllm.config import build_scheduler
+from kvprop.targets.vllm.loading import import_scheduler
+from kvprop.targets.vllm.manager import CAPABILITIES, Hits, VllmAllocator
 from kvprop.targets.vllm.offload import OffloadWorker
+from kvprop.targets.vllm.releases import scheduler_refusal
+from kvprop.targets.vllm.view import VllmView
 
 
 def build_engine(config: EngineConfig, device=None, hooks=None, canary: bool = False):
     """The target's entry point: it builds the whole engine, as its registry entry declares
     (``own_scheduler``, ``kvprop.targets.protocol``)."""
     import_scheduler()  # without vLLM every configuration is refused for that reason, with the way out
-    why = refusal(config)
+    why = scheduler_refusal(config)
     if why:
         raise ConfigError(f"target 'vllm-scheduler': {why}")
     from kvprop.targets.canary import with_canary
