@@ -151,7 +151,7 @@ def cmd_fuzz(args) -> int:
     label = f"variant {args.variant}" if args.variant else f"target {args.target or 'kvprop'}"
     _say(
         args,
-        f"kvprop {__version__} fuzz: driver {args.driver}, {label}, {args.workers} workers, "
+        f"kvprop {__version__} fuzz: driver {args.driver}, {label}, {args.workers} worker{'s' if args.workers != 1 else ''}, "
         f"{args.seconds:g}s budget, seed {args.seed}",
     )
     saved = {}
