@@ -125,7 +125,7 @@ def enter_worker(log_path: Path, parent: int) -> None:
     """Make this process a worker: the target's output goes to ``log_path``; Ctrl-C is the
     parent's to handle (so a ``KeyboardInterrupt`` here can only come from target code, and is
     its crash); the worker dies with the parent."""
-    from kvprop.sim import boundary
+    from kvprop.sim import target_calls as boundary
 
     die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -4,7 +4,7 @@
 queues and each ``step``'s choice of what runs), the worker (``kvprop.sim.worker``: the step's
 block copies and fingerprint writes into paged memory) and the misuse rules
 (``kvprop.sim.misuse``: malformed calls against the target's caller contract). Every call on the
-allocator crosses ``kvprop.sim.boundary``. The engine judges nothing: it calls hooks where
+allocator crosses ``kvprop.sim.target_calls``. The engine judges nothing: it calls hooks where
 blocks change hands (around every allocation, at the connector hand-off, before every write),
 and the checker (``kvprop.check.checker``) implements them. A target with its own scheduler
 subclasses ``Engine`` and takes over ``step``, ``release`` and ``worker_block_ids``.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from kvprop.allocator.specs import EngineConfig, Mamba
 from kvprop.capabilities import EVERY, Capabilities
-from kvprop.sim.boundary import Boundary
 from kvprop.sim.connector import Connector
 from kvprop.sim.misuse import MISUSES, BuggyCaller
 from kvprop.sim.scheduler import (
@@ -31,6 +30,7 @@ from kvprop.sim.scheduler import (
     Scheduler,
     StepReport,
 )
+from kvprop.sim.target_calls import TargetCalls
 from kvprop.sim.worker import Worker
 
 __all__ = [
@@ -108,7 +108,7 @@ class Engine(Scheduler, Worker, BuggyCaller):
         self.config = config
         self.allocator = allocator
         self.capabilities = capabilities  # what the target declares (kvprop.targets.protocol); kvprop's own: every one
-        self.boundary = Boundary(allocator)
+        self.boundary = TargetCalls(allocator)
         self.view = view
         self.specs = config.allocator.groups
         self.state_groups = frozenset(g for g, spec in enumerate(self.specs) if isinstance(spec, Mamba))

@@ -29,7 +29,7 @@ import inspect
 
 from kvprop.allocator.specs import EngineConfig
 from kvprop.errors import ConfigError, TargetCrash, Violation
-from kvprop.sim import boundary
+from kvprop.sim import target_calls as boundary
 from kvprop.sim.engine import (
     EV_ABORT_LOAD,
     EV_EVICT,

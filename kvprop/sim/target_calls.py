@@ -1,8 +1,9 @@
-"""The line between the engine and the allocator under test.
+"""The target's calls: the line between the engine and the allocator under test.
 
-Every manager-facade call the engine makes crosses it. An exception raised on the far
-side is the target's own crash — a finding (``TargetCrash``, kind ``target-crash``) — and
-is told apart here from an error of kvprop's engine or checks, which is never a finding.
+Every manager-facade call the engine makes crosses it (``TargetCalls``). An exception
+raised on the far side is the target's own crash — a finding (``TargetCrash``, kind
+``target-crash``) — and is told apart here from an error of kvprop's engine or checks,
+which is never a finding.
 A ``Violation`` raised by a check the target calls back into passes through unchanged.
 
 ``SystemExit`` raised by the target is its crash too. ``KeyboardInterrupt`` is only in a
@@ -23,7 +24,7 @@ def supervised() -> None:
     TARGET_ERRORS = (Exception, SystemExit, KeyboardInterrupt)
 
 
-class Boundary:
+class TargetCalls:
     """The allocator's facade calls, each turning an exception from the target into a TargetCrash."""
 
     __slots__ = ("allocator",)
