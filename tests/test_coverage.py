@@ -155,7 +155,7 @@ def test_every_allocator_module_appears_and_the_total_is_plausible(measured):
     assert 50 < report["total"]["percent"] <= 100
     assert report["total"]["statements"] == sum(f["statements"] for f in files.values())
     classes = {(c["file"], c["class"]) for c in report["classes"]}
-    assert {("block_pool.py", "BlockPool"), ("manager.py", "KVCacheManager")} <= classes
+    assert {("block_pool.py", "BlockPool"), ("kv_cache_manager.py", "KVCacheManager")} <= classes
 
 
 def test_never_entered_lists_uncalled_functions_only(measured):
@@ -164,7 +164,7 @@ def test_never_entered_lists_uncalled_functions_only(measured):
     # nothing in kvprop calls FreeBlockQueue.appendleft; every walk allocates blocks
     assert ("block_pool.py", "FreeBlockQueue.appendleft") in never
     assert ("block_pool.py", "BlockPool.get_new_blocks") not in never
-    assert ("manager.py", "KVCacheManager.allocate_slots") not in never
+    assert ("kv_cache_manager.py", "KVCacheManager.allocate_slots") not in never
 
 
 def test_measure_in_process_and_render():

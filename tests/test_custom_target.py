@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from kvprop.allocator.manager import KVCacheManager
+from kvprop.allocator.kv_cache_manager import KVCacheManager
 from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow
 from kvprop.allocator.view import AllocatorView
 from kvprop.check.checker import Checker, drain

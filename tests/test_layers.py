@@ -65,7 +65,7 @@ def test_every_layer_says_what_it_holds(layer):
     assert doc and len(doc) > 80
 
 
-@pytest.mark.parametrize("module", ["kvprop.search.trace", "kvprop.allocator.manager"])
+@pytest.mark.parametrize("module", ["kvprop.search.trace", "kvprop.allocator.kv_cache_manager"])
 def test_reading_a_trace_or_building_the_allocator_needs_neither_torch_nor_the_engine(module):
     probe = (
         f"import sys, {module}; "

@@ -6,7 +6,7 @@ import pytest
 from helpers import NULL, allocator, hit_ids, prefill, queue, refs, req
 
 from kvprop.allocator.block_pool import BlockPool
-from kvprop.allocator.managers import (
+from kvprop.allocator.group_managers import (
     ChunkedLocalManager,
     FullAttentionManager,
     SlidingWindowManager,

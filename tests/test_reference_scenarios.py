@@ -10,7 +10,7 @@ import pytest
 from helpers import BUGGY, NULL, allocator, hit_ids, prefill, queue, refs, req
 
 from kvprop.allocator.block_pool import BlockPool
-from kvprop.allocator.managers import FullAttentionManager, SlidingWindowManager
+from kvprop.allocator.group_managers import FullAttentionManager, SlidingWindowManager
 from kvprop.allocator.specs import ChunkedLocal, FullAttention, SlidingWindow
 
 # ---- full attention, 11 blocks, block size 16 (10 usable) --------------------------------

@@ -60,7 +60,7 @@ def make(config):
     return allocator, AllocatorView(allocator)
 """,
     "crasher": """\
-from kvprop.allocator.manager import KVCacheManager
+from kvprop.allocator.kv_cache_manager import KVCacheManager
 from kvprop.allocator.view import AllocatorView
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvprop.allocator import guards
 from kvprop.allocator.block_pool import BlockPool
-from kvprop.allocator.managers import SingleTypeManager
+from kvprop.allocator.group_managers import SingleTypeManager
 from kvprop.allocator.registry import MANAGER_FOR_SPEC
 from kvprop.allocator.specs import AllocatorConfig, FullAttention, cdiv
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 from kvprop.allocator import guards
 from kvprop.allocator.block_pool import Block
 from kvprop.allocator.checkpoint import checkpoint_column, checkpoint_position, chunk_checkpoint
-from kvprop.allocator.managers import SingleTypeManager
+from kvprop.allocator.group_managers import SingleTypeManager
 from kvprop.allocator.retention import kept_state_mask, resume_boundaries
 from kvprop.allocator.specs import cdiv
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from kvprop.allocator.group_managers import ChunkedLocalManager, FullAttentionManager, SlidingWindowManager
 from kvprop.allocator.mamba import MambaManager
-from kvprop.allocator.managers import ChunkedLocalManager, FullAttentionManager, SlidingWindowManager
 from kvprop.allocator.specs import ChunkedLocal, FullAttention, Mamba, SlidingWindow
 
 MANAGER_FOR_SPEC = {

@@ -6,7 +6,7 @@ kvprop's own allocator, its bug variants and an external allocator such as vLLM'
 
 from __future__ import annotations
 
-from kvprop.allocator.manager import KVCacheManager
+from kvprop.allocator.kv_cache_manager import KVCacheManager
 
 
 class AllocatorView:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvprop.allocator.manager import KVCacheManager
+from kvprop.allocator.kv_cache_manager import KVCacheManager
 from kvprop.allocator.specs import AllocatorConfig, EngineConfig
 from kvprop.allocator.view import AllocatorView
 from kvprop.sim.engine import Engine

@@ -11,13 +11,13 @@ import attrs
 from kvprop.allocator.block_pool import BlockPool
 from kvprop.allocator.coordinator import HybridCoordinator, UnitaryCoordinator
 from kvprop.allocator.events import Reannounced
-from kvprop.allocator.mamba import MambaManager
-from kvprop.allocator.manager import KVCacheManager, Parts
-from kvprop.allocator.managers import (
+from kvprop.allocator.group_managers import (
     FullAttentionManager,
     SingleTypeManager,
     SlidingWindowManager,
 )
+from kvprop.allocator.kv_cache_manager import KVCacheManager, Parts
+from kvprop.allocator.mamba import MambaManager
 from kvprop.allocator.registry import MANAGER_FOR_SPEC
 from kvprop.allocator.retention import kept_block_mask, resume_boundaries
 from kvprop.allocator.specs import FullAttention, Mamba, SlidingWindow, cdiv
