@@ -33,11 +33,11 @@ state, like a one-token window.
 from __future__ import annotations
 
 from kvprop.allocator import guards
-from kvprop.allocator.block_pool import Block
+from kvprop.allocator.block_pool import Block, BlockPool
 from kvprop.allocator.checkpoint import checkpoint_column, checkpoint_position, chunk_checkpoint
 from kvprop.allocator.group_managers import SingleTypeManager
 from kvprop.allocator.retention import kept_state_mask, resume_boundaries
-from kvprop.allocator.specs import cdiv
+from kvprop.allocator.specs import Mamba, cdiv
 
 
 class MambaManager(SingleTypeManager):
@@ -45,7 +45,9 @@ class MambaManager(SingleTypeManager):
     # checkpoint into in place (``_plan_checkpoint``); False is vLLM 0.33.0's rule.
     guard_scratch_checkpoint = True
 
-    def __init__(self, spec, pool, group_id, enable_caching, retention_interval=None):
+    def __init__(
+        self, spec: Mamba, pool: BlockPool, group_id: int, enable_caching: bool, retention_interval: int | None = None
+    ) -> None:
         super().__init__(spec, pool, group_id, enable_caching, retention_interval)
         self.align = spec.mode == "align"
         # In align mode lookahead slots are ignored: draft models have no Mamba layers, and

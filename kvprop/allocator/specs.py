@@ -6,6 +6,8 @@ written, with a message that names the field and the allowed range.
 
 from __future__ import annotations
 
+from typing import TypeAlias
+
 import attrs
 
 from kvprop.allocator.options import declared, option, smaller
@@ -138,6 +140,7 @@ class Mamba:
 
 
 SPEC_TYPES = (FullAttention, SlidingWindow, ChunkedLocal, Mamba)
+GroupSpec: TypeAlias = FullAttention | SlidingWindow | ChunkedLocal | Mamba  # one group's spec, any kind
 THINNED_BY_RETENTION = (SlidingWindow, Mamba)  # the group kinds prefix-cache retention applies to
 
 

@@ -98,10 +98,11 @@ def agree_walk(
     if no_junction:
         trace = attrs.evolve(trace, config=_without_junction(trace.config))
     config = without_checkpoints(trace.config) if no_checkpoints else trace.config
-    changes = {"hash_unit": None} if block_hits else {}
-    if incremental_report:
-        changes["kv_cache_report_mode"] = "incremental"
-    config = attrs.evolve(config, allocator=attrs.evolve(config.allocator, **changes))
+    hash_unit = None if block_hits else config.allocator.hash_unit
+    report = "incremental" if incremental_report else config.allocator.kv_cache_report_mode
+    config = attrs.evolve(
+        config, allocator=attrs.evolve(config.allocator, hash_unit=hash_unit, kv_cache_report_mode=report)
+    )
     trace = attrs.evolve(trace, config=config)
     reference = Harness(trace.config, variant=reference_variant, checks=False)
     if journal is not None:  # in a supervised worker: the target's side of the walk, as it runs

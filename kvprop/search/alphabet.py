@@ -10,7 +10,7 @@ seeds, never big data — so that Hypothesis and kvprop's minimiser can reduce t
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeAlias
 
 import attrs
 
@@ -21,6 +21,7 @@ from kvprop.allocator.specs import (
     ChunkedLocal,
     EngineConfig,
     FullAttention,
+    GroupSpec,
     Mamba,
     SlidingWindow,
     eagle_problem,
@@ -63,7 +64,7 @@ def sample_config(choose, shapes: Shapes = ANY_SHAPE) -> EngineConfig:
     cycles; only ``shapes``, what the target declares it builds. With every shape allowed, the
     draws are those of a target that declares none."""
     bs = choose.pick(BLOCK_SIZES)
-    groups = []
+    groups: list[GroupSpec] = []
     kinds = tuple(k for k in ("full", "sliding_window", "chunked_local") if k in shapes.group_kinds) or ("full",)
     for _ in range(choose.integer(1, shapes.max_groups)):
         kind = choose.pick(kinds)
@@ -92,7 +93,8 @@ def sample_config(choose, shapes: Shapes = ANY_SHAPE) -> EngineConfig:
         token_budget = max(token_budget, 1 + speculative)
     if state_group:  # vLLM sizes a state group's scratch columns by the drafts
         speculative = min(speculative, bs - 1) if enable_caching else 0
-        groups[-1] = Mamba(bs, "align" if enable_caching else "none", speculative)
+        state = Mamba(bs, "align" if enable_caching else "none", speculative)
+        groups[-1] = state
     hash_unit, inside = None, shapes.hits_inside_blocks
     if state_group and enable_caching and connector == "off" and bs > 1 and choose.integer(0, 1) and inside:
         # Hits inside a block in half of the shapes that can have them: a hash unit below the
@@ -108,7 +110,7 @@ def sample_config(choose, shapes: Shapes = ANY_SHAPE) -> EngineConfig:
         # models have them: alignment 1 as mamba_mixer2 always declares, or a coarser kernel
         # grid as GDN and KDA layers do.
         checkpoint = choose.pick((None, 1, 1, 4))
-        groups[-1] = attrs.evolve(groups[-1], checkpoint=checkpoint if shapes.checkpoints else None)
+        groups[-1] = attrs.evolve(state, checkpoint=checkpoint if shapes.checkpoints else None)
     # the full report (hits announced again) in half the shapes with events
     report = "full" if events and choose.integer(0, 1) and shapes.full_report else "incremental"
     # vLLM's default for a failed load ends its request, in half the shapes whose loads can fail;
@@ -165,6 +167,20 @@ def _retention(choose, groups, bs: int) -> int | None:
 
 # ---- operations -------------------------------------------------------------------------
 
+ArgRanges: TypeAlias = dict[str, tuple[int, int]]  # an operation's argument -> its (lowest, highest) value
+
+
+class Operation(Protocol):
+    """One step of a trace. The drivers draw its class, then its arguments by keyword from the
+    ranges in ``ARGS``; it applies itself to a harness and says what it did. ``ready`` and
+    ``WEIGHTS``, where a class has them, are looked up by name."""
+
+    ARGS: ClassVar[ArgRanges]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None: ...
+
+    def apply(self, h: Harness) -> str: ...
+
 
 @attrs.frozen
 class AddRequest:
@@ -175,7 +191,13 @@ class AddRequest:
     extra: int
     seed: int
     max_new_tokens: int
-    ARGS: ClassVar = {"parent": (0, 7), "cut": (0, 48), "extra": (1, 12), "seed": (0, 3), "max_new_tokens": (1, 6)}
+    ARGS: ClassVar[ArgRanges] = {
+        "parent": (0, 7),
+        "cut": (0, 48),
+        "extra": (1, 12),
+        "seed": (0, 3),
+        "max_new_tokens": (1, 6),
+    }
 
     def apply(self, h: Harness) -> str:
         return h.add_request(h.derive_tokens(self.parent, self.cut, self.extra, self.seed), self.max_new_tokens)
@@ -188,7 +210,7 @@ class AddLargeRequest:
 
     parent: int
     seed: int
-    ARGS: ClassVar = {"parent": (0, 7), "seed": (0, 3)}
+    ARGS: ClassVar[ArgRanges] = {"parent": (0, 7), "seed": (0, 3)}
 
     def apply(self, h: Harness) -> str:
         cfg = h.engine.config
@@ -208,7 +230,7 @@ class Step:
     """``times`` engine steps (schedule, preempt, admit, execute), every invariant checked after each."""
 
     times: int
-    ARGS: ClassVar = {"times": (1, 8)}
+    ARGS: ClassVar[ArgRanges] = {"times": (1, 8)}
 
     def apply(self, h: Harness) -> str:
         out = []
@@ -232,7 +254,7 @@ class PublishPrefix:
     cut: int
     extra: int
     seed: int
-    ARGS: ClassVar = {"parent": (0, 7), "cut": (0, 48), "extra": (0, 32), "seed": (0, 3)}
+    ARGS: ClassVar[ArgRanges] = {"parent": (0, 7), "cut": (0, 48), "extra": (0, 32), "seed": (0, 3)}
 
     @staticmethod
     def ready(h: Harness) -> bool:
@@ -253,7 +275,7 @@ class FinishLoad:
 
     index: int
     ok: int
-    ARGS: ClassVar = {"index": (0, 7), "ok": (0, 1)}
+    ARGS: ClassVar[ArgRanges] = {"index": (0, 7), "ok": (0, 1)}
 
     @staticmethod
     def ready(h: Harness) -> bool:
@@ -278,7 +300,7 @@ class Misuse:
 
     call: int
     index: int
-    ARGS: ClassVar = {"call": (0, 6), "index": (0, 7)}
+    ARGS: ClassVar[ArgRanges] = {"call": (0, 6), "index": (0, 7)}
     WEIGHTS: ClassVar = (0, 0, 1)  # the walker's swarm: in a third of the walks, rarely (it changes no state)
 
     @staticmethod
@@ -308,7 +330,7 @@ class Preempt:
     """The scheduler preempts a running request (as for a higher-priority arrival)."""
 
     index: int
-    ARGS: ClassVar = {"index": (0, 7)}
+    ARGS: ClassVar[ArgRanges] = {"index": (0, 7)}
 
     @staticmethod
     def ready(h: Harness) -> bool:
@@ -325,7 +347,7 @@ class Abort:
     """A client disconnects: abort any live request, whatever its state."""
 
     index: int
-    ARGS: ClassVar = {"index": (0, 7)}
+    ARGS: ClassVar[ArgRanges] = {"index": (0, 7)}
 
     @staticmethod
     def ready(h: Harness) -> bool:
@@ -344,7 +366,7 @@ class Finish:
     """A running request hits a stop condition early."""
 
     index: int
-    ARGS: ClassVar = {"index": (0, 7)}
+    ARGS: ClassVar[ArgRanges] = {"index": (0, 7)}
 
     @staticmethod
     def ready(h: Harness) -> bool:
@@ -362,7 +384,7 @@ class Finish:
 class ResetPrefixCache:
     """An operator resets the prefix cache (refused while blocks are in use)."""
 
-    ARGS: ClassVar = {}
+    ARGS: ClassVar[ArgRanges] = {}
 
     def apply(self, h: Harness) -> str:
         return f"reset_prefix_cache -> {h.engine.reset_prefix_cache()}"
@@ -371,7 +393,7 @@ class ResetPrefixCache:
 PROMPT_PRODUCERS = (AddRequest, AddLargeRequest, PublishPrefix)  # each adds exactly one prompt to the history
 # ``ready(h)``, where an operation has it, says whether it would do anything now: the state
 # machine does not draw it otherwise; the walker applies it anyway (a no-op).
-OPERATIONS = (
+OPERATIONS: tuple[type[Operation], ...] = (
     AddRequest,
     AddLargeRequest,
     Step,
@@ -391,7 +413,7 @@ WEIGHT_CHOICES = (0, 1, 2, 4)
 DRIVING_WEIGHTS = (2, 4, 8)  # Step and AddRequest: never off, so every run makes progress
 
 
-def ready_operations(weights, harness) -> list[tuple[type, int]]:
+def ready_operations(weights, harness) -> list[tuple[type[Operation], int]]:
     """(operation, weight) of every operation switched on in ``weights`` that would do
     something now (an operation without ``ready`` always would): both drivers draw the next
     operation from these."""

@@ -21,6 +21,7 @@ import tempfile
 import time
 import traceback
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -97,7 +98,9 @@ def _walk_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: int, f
 
     journal = jn.Journal(files / f"w{index}.journal")
     sv.load_target_here(journal, opts.target, opts.variant)
-    runs, steps, events, refused, last = 0, 0, set(), Counter(), time.monotonic()
+    events: set[str] = set()
+    refused: Counter[str] = Counter()
+    runs, steps, last = 0, 0, time.monotonic()
     i = first
     while not stop.is_set() and i <= limit.value and (opts.max_runs is None or i < opts.max_runs):
         if _orphaned(parent):
@@ -293,7 +296,7 @@ def search(opts: FuzzOptions, status=None, on_find=None, started: float | None =
 
 
 def _search(opts: FuzzOptions, status, on_find, start: float, store, seen: int, files: Path) -> FuzzResult:
-    ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    ctx = mp.get_context("fork") if sys.platform.startswith("linux") else mp.get_context("spawn")
     out, stop, limit = ctx.Queue(), ctx.Event(), ctx.Value("q", NO_LIMIT)
     parent = os.getpid()
     workers: dict = {}
@@ -416,6 +419,7 @@ def _judge_workers(opts: FuzzOptions, workers: dict, tally, files: Path, out, sp
         tally.runs, tally.steps = tally.runs + 1, tally.steps + len(found.steps)  # the run it died in
         log = sv.copy_log(files / f"w{index}.log", files, f"death-w{index}")
         walk = walk or 0
+        assert found.failure is not None  # judge gives the run the death's failure
         if found.failure.kind in opts.known and opts.driver == "walk":
             tally.known_find(found, None if log is None else str(log))
             tally.exited.discard(index)
@@ -428,7 +432,7 @@ def _judge_workers(opts: FuzzOptions, workers: dict, tally, files: Path, out, sp
 class _Tally:
     """What the workers have reported: progress adds up; finds are kept by (index, worker)."""
 
-    on_find: object = None
+    on_find: Callable[[Trace, str | None], None] | None = None  # each find as it is taken, with its log
     runs: int = 0
     steps: int = 0
     events: set = attrs.field(factory=set)
@@ -460,6 +464,7 @@ class _Tally:
             self.on_find(trace, log)
 
     def known_find(self, trace: Trace, log: str | None) -> None:
+        assert trace.failure is not None  # a find is a trace with its failure
         self.known[trace.failure.kind] += 1
         if self.on_find is not None:
             self.on_find(trace, log)

@@ -14,16 +14,23 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ClassVar, TypedDict, cast
 
 from hypothesis import currently_in_test_context, event, reject
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
-from kvprop.capabilities import ANY_SHAPE
+from kvprop.allocator.specs import EngineConfig
+from kvprop.capabilities import ANY_SHAPE, Shapes
 from kvprop.errors import ConfigError, TargetCrash, Violation
 from kvprop.search import alphabet as ops
 from kvprop.search.harness import Harness
 from kvprop.targets import shapes_of
+
+if TYPE_CHECKING:
+    from kvprop.search.journal import Journal
+    from kvprop.search.trace import Trace
 
 
 @functools.cache
@@ -82,31 +89,58 @@ def next_operations(draw):
     return op_class(**{name: draw(strategy) for name, strategy in ARGUMENTS[op_class]})
 
 
+class Counters(TypedDict):
+    """What a machine class has run: examples begun, rule steps, and refused shapes by reason."""
+
+    examples: int
+    steps: int
+    refused: Counter[str]
+
+
+# A failing example: its configuration, its operations, what it raised, whether in the drain.
+Found = tuple[EngineConfig, tuple[ops.Operation, ...], Violation | TargetCrash, bool]
+
+
+def _example_starts() -> None:
+    """Nothing: the fuzz worker puts its own hook on its machine class (``on_example``)."""
+
+
 class KVCacheMachine(RuleBasedStateMachine):
-    """Drives kvprop's engine over the allocator of ``target``/``variant``; checks every invariant after every rule."""
+    """Drives kvprop's engine over the allocator of ``target``/``variant``; checks every invariant after every rule.
 
-    variant: str | None = None
-    target: str | None = None
-    device: str | None = None
-    checks: bool = True
-    events_seen: set = set()
-    failures: list = []
-    counters: dict = {"examples": 0, "steps": 0, "refused": Counter()}
-    journal = None  # in a supervised worker: each example is written as it runs (kvprop.search.journal)
-    shapes = ANY_SHAPE  # the configurations the target declares it builds
-    run_seed: int | None = None  # the Hypothesis seed of the run, for the journal
+    The class attributes are the run's: ``machine_for`` makes a class per allocator with its own
+    records, which every example (an instance) adds to."""
 
+    variant: ClassVar[str | None] = None
+    target: ClassVar[str | None] = None
+    device: ClassVar[str | None] = None
+    checks: ClassVar[bool] = True
+    events_seen: ClassVar[set[str]] = set()
+    failures: ClassVar[list[Found]] = []
+    counters: ClassVar[Counters] = {"examples": 0, "steps": 0, "refused": Counter()}
+    # in a supervised worker: each example is written as it runs (kvprop.search.journal)
+    journal: ClassVar[Journal | None] = None
+    shapes: ClassVar[Shapes] = ANY_SHAPE  # the configurations the target declares it builds
+    run_seed: ClassVar[int | None] = None  # the Hypothesis seed of the run, for the journal
+    # called as each example starts (the fuzz worker reports progress and stops runs here)
+    on_example: ClassVar[Callable[[], None]] = staticmethod(_example_starts)
+
+    # each example's own, set in __init__
+    harness: Harness | None  # built by configure
+    steps: list[ops.Operation]
+    failed: bool
+    reported: set[str]  # the events this example has reported
+    weights: tuple[int, ...]
+
+    # No return annotation: Hypothesis seeds a derandomized run from the class's signature (this
+    # method's), and an added ``-> None`` would move every CI run onto other examples.
     def __init__(self):
         super().__init__()
-        self.harness: Harness | None = None
-        self.steps: list = []
+        self.harness = None
+        self.steps = []
         self.failed = False
-        self.reported: set = set()
-        self.weights: tuple = ()
-
-    @staticmethod
-    def on_example() -> None:
-        """Called as each example starts (the fuzz worker reports progress and stops runs here)."""
+        self.reported = set()
+        self.weights = ()
 
     @initialize(config=configs(), weights=swarm_weights())
     def configure(self, config, weights):
@@ -135,20 +169,24 @@ class KVCacheMachine(RuleBasedStateMachine):
             counters["refused"][str(e)] += 1
             reject()  # a shape this target cannot build: draw another (the refusal is counted)
 
-    def record_failure(self, error: BaseException, at_drain: bool) -> None:
+    def record_failure(self, error: Violation | TargetCrash, at_drain: bool) -> None:
         """Keep what failed as a plain trace: (config, operations, error, failed in the drain)."""
-        type(self).failures.append((self.harness.config, tuple(self.steps), error, at_drain))
+        harness = self.harness
+        assert harness is not None  # only an operation or the drain fails, and configure built the harness first
+        type(self).failures.append((harness.config, tuple(self.steps), error, at_drain))
 
-    def run(self, op) -> None:
+    def run(self, op: ops.Operation) -> None:
+        harness = self.harness
+        assert harness is not None  # configure, the initialize rule, built it: Hypothesis runs it first
         self.steps.append(op)
         type(self).counters["steps"] += 1
         try:
-            self.harness.apply(op)
+            harness.apply(op)
         except (Violation, TargetCrash) as e:
             self.failed = True
             self.record_failure(e, at_drain=False)
             raise
-        for name in self.harness.engine.events:
+        for name in harness.engine.events:
             if name not in self.reported:
                 self.reported.add(name)
                 type(self).events_seen.add(name)
@@ -176,29 +214,27 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 def machine_for(
     variant: str | None = None, target: str | None = None, device: str | None = None, checks: bool = True
-) -> type:
+) -> type[KVCacheMachine]:
     """A machine class bound to one allocator, with its own event and failure records."""
     from kvprop.targets.variants import get_variant
 
     get_variant(variant)
     name = f"KVCacheMachine_{(variant or target or 'correct').replace('-', '_').replace(':', '_').replace('.', '_')}"
-    return type(
-        name,
-        (KVCacheMachine,),
-        {
-            "variant": variant,
-            "target": target,
-            "device": device,
-            "checks": checks,
-            "events_seen": set(),
-            "failures": [],
-            "counters": {"examples": 0, "steps": 0, "refused": Counter()},
-            "shapes": shapes_of(target),
-        },
-    )
+    records: dict[str, object] = {
+        "variant": variant,
+        "target": target,
+        "device": device,
+        "checks": checks,
+        "events_seen": set(),
+        "failures": [],
+        "counters": {"examples": 0, "steps": 0, "refused": Counter()},
+        "shapes": shapes_of(target),
+    }
+    # ``type`` makes a subclass of KVCacheMachine, which the type checker reads as a plain ``type``
+    return cast(type[KVCacheMachine], type(name, (KVCacheMachine,), records))
 
 
-def failure_trace(machine: type):
+def failure_trace(machine: type[KVCacheMachine]) -> Trace:
     """The machine's last failing example as a kvprop trace (replayable, minimisable)."""
     from kvprop.search.trace import Trace, failure_from
 

@@ -22,7 +22,7 @@ from kvprop.allocator.specs import (
     Mamba,
     SlidingWindow,
 )
-from kvprop.errors import KvpropError, TargetCrash, bounded
+from kvprop.errors import KvpropError, TargetCrash, Violation, bounded
 from kvprop.search import DRIVERS
 from kvprop.search.alphabet import OPERATION_BY_NAME
 
@@ -67,7 +67,7 @@ class Failure:
         return (self.kind, self.exception)
 
 
-def failure_from(error: BaseException, step: int) -> Failure:
+def failure_from(error: Violation | TargetCrash, step: int) -> Failure:
     """The Failure a finding exception stands for (a Violation or a TargetCrash)."""
     if isinstance(error, TargetCrash):
         return Failure(step, "target-crash", str(error), "target-crash", error.exception_type)
@@ -204,8 +204,10 @@ def to_dict(trace: Trace) -> dict:
     }
 
 
-TRACE_FIELDS = ("format", "kvprop_version", "driver", "engine", "seed", "variant", "target", "config", "steps")
-TRACE_FIELDS += ("drain", "failure")
+TRACE_FIELDS = (
+    "format", "kvprop_version", "driver", "engine", "seed", "variant", "target", "config", "steps", "drain",
+    "failure",
+)  # fmt: skip
 FAILURE_FIELDS = ("step", "kind", "message", "origin", "exception")
 
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import random
+from collections.abc import Iterator
 
 import attrs
 
+from kvprop.allocator.specs import EngineConfig
 from kvprop.capabilities import ANY_SHAPE, Shapes
 from kvprop.errors import ConfigError
-from kvprop.search.alphabet import RandomChooser, ready_operations, sample_config, sample_weights
+from kvprop.search.alphabet import Operation, RandomChooser, ready_operations, sample_config, sample_weights
 from kvprop.search.execute import run
 from kvprop.search.harness import Harness
 from kvprop.search.trace import Failure, Trace
@@ -30,7 +32,7 @@ class WalkStart:
     """What a seed decides before the first operation; ``rng`` then draws every operation."""
 
     rng: random.Random
-    config: object  # EngineConfig
+    config: EngineConfig
     weights: tuple
     length: int
 
@@ -46,7 +48,7 @@ def start(seed: int, max_ops: int = 200, num_blocks: int | None = None, shapes: 
     return WalkStart(rng, config, weights, rng.randint(max_ops // 4, max_ops))
 
 
-def operations(begun: WalkStart, harness: Harness, taken: list):
+def operations(begun: WalkStart, harness: Harness, taken: list[Operation]) -> Iterator[Operation]:
     """The walk's operations, each drawn when the one before it has run (into ``taken``)."""
     rng = begun.rng
     for _ in range(begun.length):
@@ -64,7 +66,8 @@ def plan(seed: int, max_ops: int = 200) -> Trace:
     """The trace walk ``seed`` runs on kvprop's own allocator (drawn without checks): a fixed
     trace, which tests and the agreement check replay on other allocators."""
     begun = start(seed, max_ops)
-    harness, taken = Harness(begun.config, checks=False), []
+    harness = Harness(begun.config, checks=False)
+    taken: list[Operation] = []
     run(harness, operations(begun, harness, taken), drain=False)
     return Trace(config=begun.config, steps=tuple(taken), seed=seed, driver="walk")
 
@@ -115,7 +118,7 @@ def run_walk(
             raise
         trace = Trace(config=begun.config, steps=(), seed=seed, driver="walk", variant=variant, target=target)
         return WalkResult(trace, None, 0, frozenset(), refused=str(e))
-    taken: list = []
+    taken: list[Operation] = []
     try:
         failure = run(harness, operations(begun, harness, taken), drain=True, on_step=on_step)
     finally:
