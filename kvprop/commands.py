@@ -149,9 +149,10 @@ def cmd_fuzz(args) -> int:
         call_timeout=args.call_timeout,
     )
     label = f"variant {args.variant}" if args.variant else f"target {args.target or 'kvprop'}"
+    workers = f"{args.workers} worker{'s' if args.workers != 1 else ''}"
     _say(
         args,
-        f"kvprop {__version__} fuzz: driver {args.driver}, {label}, {args.workers} worker{'s' if args.workers != 1 else ''}, "
+        f"kvprop {__version__} fuzz: driver {args.driver}, {label}, {workers}, "
         f"{args.seconds:g}s budget, seed {args.seed}",
     )
     saved = {}
