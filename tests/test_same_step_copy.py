@@ -12,7 +12,7 @@ variant ``copy-before-compute`` is vLLM 0.33.0's rule, which admits it.
 
 from pathlib import Path
 
-from kvprop.check import checker, invariants
+from kvprop.check import checker, data
 from kvprop.search.execute import execute
 from kvprop.search.trace import load
 
@@ -36,13 +36,13 @@ def test_the_positions_a_copy_filled_are_judged_as_the_requests_own():
 
 
 def test_without_the_copied_positions_only_the_later_cached_block_shows_it(monkeypatch):
-    every_position = invariants._expect_computed
+    every_position = data._expect_computed
 
     def without_copies(*args, only=None):
         if only is None:
             every_position(*args)
 
-    monkeypatch.setattr(invariants, "_expect_computed", without_copies)
+    monkeypatch.setattr(data, "_expect_computed", without_copies)
     failure = execute(TRACE, variant="copy-before-compute")
     assert failure.message.startswith("data-mismatch: cached(")
 

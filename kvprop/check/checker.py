@@ -11,7 +11,7 @@ every run; otherwise every check is a full sweep.
 from __future__ import annotations
 
 from kvprop.allocator.specs import FullAttention
-from kvprop.check import decisions, moments
+from kvprop.check import data, decisions, moments, outcomes
 from kvprop.check import invariants as inv
 from kvprop.check.events import EventLedger
 from kvprop.check.mirror import Mirror
@@ -152,7 +152,7 @@ class Checker(Hooks):
         rid, same_step = request.request_id, self._same_step_keys(engine)
         cached = {g: view.num_cached_blocks(g, rid) or 0 for g in engine.state_groups}
         if not self.incremental(engine):
-            before = inv.snapshot(view, rid)
+            before = outcomes.snapshot(view, rid)
             bounds = decisions.capacity_bounds(engine, request, num_new_tokens, kwargs, before[3], same_step)
             return bounds, before, cached
         # Set aside what changed before this allocation, so that afterwards the pool reports
@@ -172,7 +172,7 @@ class Checker(Hooks):
             moments.tables_extended(view, rid, before if self.incremental(engine) else before[3], tables_after)
         if not self.incremental(engine):
             if result is None:
-                inv.check_refusal(engine.view, request.request_id, before)
+                outcomes.check_refusal(engine.view, request.request_id, before)
             else:
                 self.check_structure(engine, {request.request_id: computed}, frozenset([request.request_id]))
         else:
@@ -231,10 +231,10 @@ class Checker(Hooks):
         """8, incrementally: a refused allocation touched only the blocks its window skipping freed."""
         view = engine.view
         after = [view.request_block_ids(g, request_id) for g in range(view.num_groups)]
-        freed = inv.refusal_tables(view, request_id, before, after)
+        freed = outcomes.refusal_tables(view, request_id, before, after)
         changed = view.take_changes()
         self.pending_changes |= changed  # the structural check after this still judges them
-        inv.refusal_blocks(request_id, changed, freed)
+        outcomes.refusal_blocks(request_id, changed, freed)
 
     # ---- checks -------------------------------------------------------------------------
 
@@ -308,7 +308,7 @@ class Checker(Hooks):
             changed |= self.judged_in_step
             self.judged_in_step = set()
             cached = [(b, keys[b]) for b in changed if keys[b] is not None]
-            inv.check_recent_data(engine, engine.view, cached, self.expected_rows)
+            data.check_recent_data(engine, engine.view, cached, self.expected_rows)
             self.check_events(engine, incremental=True)
             return
         self.check_full(engine)
@@ -321,8 +321,8 @@ class Checker(Hooks):
         tables, keys = self._sweep_structure(engine)
         # the writes since the last check first, as the incremental check judges them: two
         # writers of one slot in a step cannot both read back
-        inv.check_recent_data(engine, view, [], self.expected_rows, copies=False)
-        inv.check_data(engine, view, tables, keys, self.expected_rows)
+        data.check_recent_data(engine, view, [], self.expected_rows, copies=False)
+        data.check_data(engine, view, tables, keys, self.expected_rows)
         self.check_events(engine)
         if self.incremental(engine):
             self.mirror = Mirror(view, engine.capabilities)
@@ -355,7 +355,7 @@ def drain(engine, checker: Checker, max_steps: int | None = None, on_step=None) 
         if not engine.requests:
             break
         if steps >= max_steps or repeats >= STALLED_STEPS:
-            inv.liveness(engine, steps)
+            outcomes.liveness(engine, steps)
         report = engine.step()
         steps += 1
         checker.check_all(engine)
@@ -366,5 +366,5 @@ def drain(engine, checker: Checker, max_steps: int | None = None, on_step=None) 
         last = signature
     checker.check_full(engine)
     if checker.enabled:
-        inv.liveness(engine)
+        outcomes.liveness(engine)
     return steps

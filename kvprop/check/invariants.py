@@ -1,9 +1,15 @@
-"""The invariants of docs/design.md, each a readable check that raises a naming ``Violation``.
+"""The structure of the block pool and the tables (invariants 1-6), each a readable check that
+raises a naming ``Violation``.
+
+Reference counts, the free queue, groups and sharing, the cache map against the blocks' keys,
+conservation, and each request's tables against its tokens and hashes. The rest of what is
+verified lives beside it: the data the blocks hold (7, ``kvprop.check.data``), what a refused
+allocation and a drain leave (8-9, ``kvprop.check.outcomes``), the allocator's decisions (10,
+``kvprop.check.decisions``) and the moments inside a step (``kvprop.check.moments``).
 
 They read the allocator only through its view and the engine's own records, never through
 a target's internals, so the same sentences judge kvprop's allocator, its variants and an
 external allocator. They state what correct state is, never what one bug looks like.
-Each kind of ``kvprop.check.kinds`` is raised by exactly one function here.
 """
 
 from __future__ import annotations
@@ -12,12 +18,9 @@ from collections import Counter, defaultdict
 
 import attrs
 
-from kvprop.allocator.hashing import fingerprint, state_fingerprint
 from kvprop.allocator.specs import Mamba, cdiv
 from kvprop.check.retention import retained_indices
 from kvprop.errors import Violation
-from kvprop.sim.memory import UNWRITTEN
-from kvprop.sim.request import Status
 
 
 def gather_tables(view) -> dict[tuple[str, int], list[int]]:
@@ -462,244 +465,3 @@ def _needed_entries(spec, table, skipped_blocks: int, computed: int):
     # check finds it where the worker does and requires the table to hold it.
     running = [cdiv(computed, spec.block_size) - 1] if computed > 0 and not spec.speculative_blocks else []
     return sorted({i for i in [*running, len(table) - 1] if 0 <= i < len(table)})
-
-
-# ---- 7. data ------------------------------------------------------------------------------
-
-
-def check_data(engine, view, tables, keys, memo: dict) -> None:
-    """Every computed position of a running request reads back its fingerprint; every cached
-    block holds the data of the prefix its hash names; the null block is never written."""
-    slots, expected, origin = [], [], Origins()
-    _expect_computed(engine, view, lambda rid, g: tables[(rid, g)], slots, expected, origin)
-    cached = [(b, k) for b, k in enumerate(keys) if k is not None]
-    cached += [(b, k) for b, extra in extra_keys(view).items() for k in extra]
-    _expect_cached_and_null(engine, view, cached, slots, expected, origin, memo)
-    report_mismatch(engine.memory, slots, expected, origin)
-
-
-def check_recent_data(engine, view, changed_cached, memo: dict, copies: bool = True) -> None:
-    """7, incrementally: every write since the last check reads back (two writers of one
-    slot in a step cannot both), every position a block copy filled holds what the request
-    computing there expects (``copies``; a full sweep's ``check_data`` judges those with every
-    other position), every block that changed and is cached holds its hash's data, and the
-    null block is unwritten."""
-    bs, memory = view.block_size, engine.memory
-    slots, expected, copied = memory.take_recent_writes()
-    if not slots and not changed_cached and not copied:
-        return
-    changed_cached = [*changed_cached, *((b, k) for b, _ in changed_cached for k in further_keys(view, b))]
-    origin = Origins()
-    origin.run(len(slots), lambda j: ("a write this step", -1, slots[j] % bs, slots[j] // bs))
-    if copied and copies:
-
-        def table_of(rid, g):
-            return view.request_block_ids(g, rid) or ()
-
-        _expect_computed(engine, view, table_of, slots, expected, origin, only=set(copied))
-    _expect_cached_and_null(engine, view, changed_cached, slots, expected, origin, memo)
-    report_mismatch(memory, slots, expected, origin)
-
-
-def _expect_computed(engine, view, table_of, slots, expected, origin, only: set | None = None) -> None:
-    """Add the fingerprint of every position a running request has computed, through its
-    table ``table_of(request id, group)`` (in a state group: the running state, after exactly
-    those tokens). ``only``: just these slots, the positions a block copy filled. A copy brings
-    whatever its source held, so the value it wrote proves nothing: it must read back as the
-    request computing there expects (a copy that ran before its source was computed, vLLM
-    0.33.0; docs/findings.md)."""
-    bs, null = view.block_size, view.null_block_id
-    blocks = None if only is None else {slot // bs for slot in only}
-    for rid, request in engine.requests.items():
-        if request.status not in (Status.RUNNING, Status.LOADED):
-            continue
-        computed, prefix = request.num_computed_tokens, request.prefix
-        for g, spec in enumerate(engine.specs):
-            table = table_of(rid, g)
-            if isinstance(spec, Mamba):
-                if computed > 0:  # the running state: after exactly the computed tokens
-                    block_id = engine.state_block(request, g)
-                    if only is None and block_id not in table:
-                        raise Violation(
-                            "state-not-held",
-                            f"{rid!r} state group {g} keeps its state after {computed} tokens in block "
-                            f"{block_id}, which its table no longer holds",
-                            blocks=[block_id],
-                            requests=[rid],
-                            groups=[g],
-                        )
-                    if only is None or block_id * bs in only:
-                        slots.append(block_id * bs)
-                        expected.append(state_fingerprint(g, computed, prefix[computed - 1]))
-                        origin.append((rid, g, computed, block_id))
-                continue
-            for index in range(cdiv(computed, bs)):
-                block_id = table[index]
-                if block_id == null or (blocks is not None and block_id not in blocks):
-                    continue
-                for p in range(index * bs, min(computed, (index + 1) * bs)):
-                    slot = block_id * bs + p % bs
-                    if only is None or slot in only:
-                        slots.append(slot)
-                        expected.append(fingerprint(g, p, prefix[p]))
-                        origin.append((rid, g, p, block_id))
-
-
-def expected_cached_row(engine, key, memo: dict):
-    """(first position, fingerprints) a block cached under ``key`` must hold, if the hash is known
-    (the engine records what every block hash it has seen names)."""
-    row = memo.get(key)
-    if row is None:
-        known = engine.registry.get(key[0])
-        if known is None:
-            return None
-        index, prefix = known
-        start = index * engine.block_size
-        if isinstance(engine.specs[key[1]], Mamba):  # the state after the block's last token, in slot 0
-            row = memo[key] = (start, [state_fingerprint(key[1], start + len(prefix), prefix[-1])])
-        else:
-            row = memo[key] = (start, [fingerprint(key[1], start + j, h) for j, h in enumerate(prefix)])
-    return row
-
-
-def _expect_cached_and_null(engine, view, cached, slots, expected, origin, memo) -> None:
-    """Add what each (block, key) in ``cached`` must hold (its hash's prefix data, where the
-    hash is known) and what the null block must hold (nothing ever written)."""
-    bs, null = view.block_size, view.null_block_id
-    for block_id, key in cached:
-        rows = expected_cached_row(engine, key, memo)
-        if rows is None:
-            continue
-        start, row = rows
-        slots.extend(range(block_id * bs, block_id * bs + len(row)))
-        expected.extend(row)
-        origin.run(len(row), lambda j, k=key, p=start, b=block_id: (f"cached{k}", k[1], p + j, b))
-    slots.extend(range(null * bs, null * bs + bs))
-    expected.extend([UNWRITTEN] * bs)
-    origin.run(bs, lambda j: ("null block", -1, j, null))
-
-
-class Origins:
-    """What each expected slot is ((who, group, position, block)), kept as runs and spelled
-    out only when a report needs one: most checks find nothing wrong."""
-
-    def __init__(self):
-        self.runs: list = []  # (length, function of the offset in the run)
-
-    def append(self, entry: tuple) -> None:
-        self.runs.append((1, lambda j, entry=entry: entry))
-
-    def run(self, length: int, at) -> None:
-        self.runs.append((length, at))
-
-    def __getitem__(self, i: int) -> tuple:
-        for length, at in self.runs:
-            if i < length:
-                return at(i)
-            i -= length
-        raise IndexError(i)
-
-
-def report_mismatch(memory, slots, expected, origin) -> None:
-    bad = memory.mismatches(slots, expected)
-    if bad:
-        who, g, p, block_id = origin[bad[0]]
-        got = memory.read([slots[bad[0]]])[0]
-        raise Violation(
-            "data-mismatch",
-            f"{who} group {g} position {p} in block {block_id} reads {got}, expected "
-            f"{expected[bad[0]]} ({len(bad)} positions wrong)",
-            blocks=sorted({origin[i][3] for i in bad}),
-            requests=[who] if isinstance(who, str) else [],
-            groups=[g] if g >= 0 else [],
-        )
-
-
-# ---- 8. refusals --------------------------------------------------------------------------
-
-
-def snapshot(view, request_id: str):
-    return (
-        view.ref_cnts(),
-        view.cache_keys(),
-        view.free_queue_ids(),
-        [view.request_block_ids(g, request_id) for g in range(view.num_groups)],
-    )
-
-
-def refusal_tables(view, request_id: str, tables_before, tables_after) -> Counter:
-    """8. A refused allocation leaves the request's tables as they were, but for skipped blocks
-    its window freed (now the null block). Returns how often each block was freed that way."""
-    freed = Counter()
-    for g, (old, new) in enumerate(zip(tables_before, tables_after)):
-        if old is None and new is None:
-            continue
-        replaced = [] if old is None or new is None else [(a, b) for a, b in zip(old, new) if a != b]
-        if old is None or new is None or len(old) != len(new) or any(b != view.null_block_id for _, b in replaced):
-            raise Violation(
-                "refusal-changed-table",
-                f"a refused allocation changed {request_id!r}'s group {g} table from {old} to {new}",
-                requests=[request_id],
-                groups=[g],
-            )
-        freed.update(a for a, _ in replaced)
-    return freed
-
-
-def refusal_blocks(request_id: str, changed: set, freed) -> None:
-    """8, incrementally: the blocks a refused allocation changed are the skipped blocks it freed."""
-    stray = sorted(set(changed) - set(freed))
-    if stray:
-        raise Violation(
-            "refusal-changed-state",
-            f"a refused allocation for {request_id!r} changed blocks {stray}, which its window skipping did not free",
-            blocks=stray,
-            requests=[request_id],
-        )
-
-
-def check_refusal(view, request_id: str, before) -> None:
-    """8. A refused allocation changes nothing but the skipped blocks it freed."""
-    ref_before, keys_before, queue_before, tables_before = before
-    ref_after, keys_after, queue_after, tables_after = snapshot(view, request_id)
-    freed = refusal_tables(view, request_id, tables_before, tables_after)
-    for block_id, (old, new) in enumerate(zip(ref_before, ref_after)):
-        if block_id != view.null_block_id and new != old - freed.get(block_id, 0):
-            raise Violation(
-                "refusal-changed-ref-cnt",
-                f"a refused allocation for {request_id!r} moved block {block_id}'s ref_cnt from {old} to {new}",
-                blocks=[block_id],
-                requests=[request_id],
-            )
-    if keys_before != keys_after:
-        changed = [b for b, (x, y) in enumerate(zip(keys_before, keys_after)) if x != y]
-        raise Violation(
-            "refusal-changed-cache",
-            f"a refused allocation for {request_id!r} changed cache keys",
-            blocks=changed,
-            requests=[request_id],
-        )
-    newly_free = set(queue_after) - set(queue_before)
-    if [b for b in queue_after if b not in newly_free] != queue_before:
-        raise Violation(
-            "refusal-changed-queue",
-            f"a refused allocation for {request_id!r} reordered or took from the "
-            f"free queue: {queue_before} -> {queue_after}",
-            requests=[request_id],
-        )
-
-
-# ---- 9. liveness --------------------------------------------------------------------------
-
-
-def liveness(engine, steps: int | None = None) -> None:
-    """9. With arrivals stopped, every request ends: called during a drain when ``steps`` exceeded
-    its bound, and after it (``steps`` None). That every block returns then follows from the
-    full sweep the drain ends with: a block held by no table is a ref-cnt-mismatch."""
-    if steps is not None or engine.requests:
-        after = f"after {steps} drain steps" if steps is not None else "after the drain"
-        raise Violation(
-            "liveness",
-            f"{len(engine.requests)} requests still live {after}: {sorted(engine.requests)}",
-            requests=sorted(engine.requests),
-        )
