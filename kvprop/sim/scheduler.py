@@ -55,7 +55,7 @@ class Scheduler(ChunkRules):
     """Engine mixin: the requests, their queues and each step's scheduling."""
 
     # What an engine whose own scheduler is in charge may not do, as the drivers ask it
-    # (kvprop.targets.vllm_scheduler says why for vLLM's): preempt when asked, fail a load.
+    # (kvprop.targets.vllm.scheduler says why for vLLM's): preempt when asked, fail a load.
     preempts_on_request = True
 
     @property
