@@ -51,7 +51,8 @@ def test_a_failing_case_prints_as_a_runnable_step_program():
     printed = "\n".join(lines + list(getattr(info.value, "__notes__", [])))
     program = printed[printed.index("state = ") :]
     program = program[: program.index("state.teardown()") + len("state.teardown()")]
-    assert "state.configure(config=EngineConfig(" in program
+    configure = next(line for line in program.splitlines() if line.startswith("state.configure("))
+    assert "config=EngineConfig(" in configure
     namespace = {type(machine).__name__: machine, machine.__name__: machine}
     exec("from kvprop.allocator.specs import *\nfrom kvprop.search.alphabet import *", namespace)
     with pytest.raises(Violation) as replayed:

@@ -148,6 +148,7 @@ PROBES_LEFT = {
     "kvprop/repro/minimise.py": (2, "fields of kvprop's own operations and group specs"),
     "kvprop/search/alphabet.py": (2, "kvprop's own operation classes (ready, WEIGHTS)"),
     "kvprop/sim/target_calls.py": (1, "the facade call the engine names, one of the required calls"),
+    "kvprop/allocator/options.py": (1, "the configuration field an option declares"),
     "kvprop/capabilities.py": (2, "the declaration's own fields"),
     "kvprop/targets/__init__.py": (3, "the attribute the user named; a registered target's factory and shapes"),
     "kvprop/targets/protocol.py": (5, "a declaration held to its word once at build; the completed view's forwarding"),

@@ -447,6 +447,16 @@ class EngineConfig:
         absent="recompute",
         simpler=("recompute",),
     )
+    max_num_seqs: int | None = option(
+        None,
+        validator=attrs.validators.optional(_int_at_least(1)),
+        doc="running requests at most (vLLM's max_num_seqs, SchedulerConfig); a full batch admits no request "
+        "but one starting an asynchronous load; null: no limit (the pool runs out of blocks first)",
+        types=(int, type(None)),
+        absent=None,
+        simpler=(None,),
+        draw=lambda choose, config: choose.pick((None, None, None, 1, 2, 4)),
+    )
 
     def __attrs_post_init__(self):
         for spec in self.allocator.groups:

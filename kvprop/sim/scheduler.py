@@ -315,6 +315,8 @@ class Scheduler(ChunkRules):
             if self.connector is not None and not request.load_failed:
                 ext = self.connector.num_new_matched_tokens(request, num_hit)
             load_async = ext > 0 and self.connector.mode == "async"
+            if self._batch_full() and not load_async:
+                break  # vLLM's loads_only: a full batch still starts asynchronous loads
             remaining = min(request.num_tokens - num_hit - ext, budget)
             n = 0 if load_async else self._chunk(request, num_hit + ext, remaining)
             if n == 0 and remaining > 0 and not load_async:
@@ -359,7 +361,7 @@ class Scheduler(ChunkRules):
         """Requests whose load is done continue first, oldest admission first, each once its next
         chunk fits: until then it holds its blocks and cannot be preempted (it is not running),
         as vLLM keeps a finished load's request waiting with its blocks."""
-        while self.loaded and budget > 0:
+        while self.loaded and budget > 0 and not self._batch_full():
             request = self.loaded[0]
             start = request.num_computed_tokens
             n = self._chunk(request, start, min(request.num_tokens - start, budget))
@@ -371,6 +373,12 @@ class Scheduler(ChunkRules):
             report.scheduled[request.request_id] = n
             budget -= n
         return budget
+
+    def _batch_full(self) -> bool:
+        """``max_num_seqs`` requests run: none joins them this step (vLLM 0.34.0,
+        ``Scheduler.schedule``: ``num_running >= self.max_num_active_reqs``)."""
+        cap = self.config.max_num_seqs
+        return cap is not None and len(self.running) >= cap
 
     def blocks_to_finish(self, request: Request) -> int:
         """At most the blocks ``request`` still takes to hold its whole sequence: the entries its

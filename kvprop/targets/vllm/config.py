@@ -291,7 +291,9 @@ def build_scheduler(config: EngineConfig):
         scheduler_config = _build(
             vc.SchedulerConfig,
             "SchedulerConfig",
-            max_num_seqs=min(config.token_budget, 128),
+            # kvprop's limit where it sets one (vLLM refuses one above the token budget), else the
+            # default's 128 within the budget
+            max_num_seqs=config.max_num_seqs or min(config.token_budget, 128),
             max_num_batched_tokens=config.token_budget,
             max_model_len=max_len,
             enable_chunked_prefill=True,

@@ -29,7 +29,13 @@ def release_shapes() -> Shapes:
         hits_inside_blocks=partial_hits_refusal() is None,
         checkpoints=checkpoint_refusal() is None,
         full_report=has_full_report(),
+        options=MAPPED_OPTIONS,
     )
+
+
+# The self-drawn options (kvprop.allocator.options) both vLLM targets build: max_num_seqs is kvprop's
+# scheduler's in front of the manager, and SchedulerConfig.max_num_seqs for vLLM's own scheduler.
+MAPPED_OPTIONS = frozenset({"max_num_seqs"})
 
 
 def scheduler_shapes() -> Shapes:
