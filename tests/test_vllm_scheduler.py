@@ -81,7 +81,7 @@ def test_vllm_preempts_by_its_own_policy_under_pressure():
 
 
 def known_kinds() -> set:
-    """What walks find on this release, each triaged in the README (the tests below pin them)."""
+    """What walks find on this release, each triaged in docs/findings.md (the tests below pin them)."""
     kinds = set()
     if RELEASE < (0, 24):
         kinds.add("block-in-two-groups")
@@ -160,7 +160,7 @@ def test_outputs_are_the_same_with_and_without_drafts():
 
 
 def test_a_padded_decode_waits_forever_under_a_budget_below_one_plus_k():
-    """Found by ``kvprop fuzz --target vllm-scheduler`` on 0.33.0 (README): from 0.30.0 vLLM pads a
+    """Found by ``kvprop fuzz --target vllm-scheduler`` on 0.33.0 (docs/findings.md): from 0.30.0 vLLM pads a
     request whose hit leaves one token to 1 + K rows and schedules nothing when they exceed the
     step's budget, so with max_num_batched_tokens 1 and K = 1 (which vLLM's config accepts for
     n-gram drafting) r1 never runs. The target refuses such budgets; built directly, it shows."""

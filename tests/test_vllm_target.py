@@ -224,7 +224,7 @@ def test_state_machine_finds_the_bug_from_scratch():
 @needs_fix
 @pytest.mark.slow
 def test_state_machine_finds_nothing_but_the_triaged_bugs_on_the_fixed_release():
-    """Clean, or stopped by one of the release's triaged finds (README): from 0.30.0 the full
+    """Clean, or stopped by one of the release's triaged finds (docs/findings.md): from 0.30.0 the full
     report of a window's skipped positions, from 0.33.0 the checkpoint and report finds."""
     triaged = set()
     if RELEASE >= (0, 30):
@@ -335,7 +335,7 @@ def test_the_full_report_of_a_hit_inside_a_block_crashes_in_0_33():
 
 @pytest.mark.skipif(RELEASE < (0, 33), reason="prefill checkpoints follow 0.33.0's rules from 0.33.0 only")
 def test_a_checkpoint_overwrites_the_running_state_in_0_33():
-    """README, finds: the manager reserves no column before the prefill's end and moves the
+    """docs/findings.md: the manager reserves no column before the prefill's end and moves the
     scratch block the worker then writes the checkpoint into to the running state."""
     trace = checkpoint_find("over-running-state")
     assert [getattr(execute(trace, target=t), "kind", None) for t in ("vllm", None)] == ["data-mismatch", None]
@@ -343,7 +343,7 @@ def test_a_checkpoint_overwrites_the_running_state_in_0_33():
 
 @pytest.mark.skipif(RELEASE < (0, 33), reason="0.30.0's hits inside a block follow other rules (the target refuses them)")
 def test_a_hit_inside_a_block_keyed_in_the_same_step_copies_it_unwritten_in_0_33():
-    """README, finds: the manager copies a block the forward pass has not yet computed."""
+    """docs/findings.md: the manager copies a block the forward pass has not yet computed."""
     trace = tr.load(Path(__file__).parent / "data" / "copy-before-compute.json")
     assert [getattr(execute(trace, target=t), "kind", None) for t in ("vllm", None)] == ["data-mismatch", None]
 

@@ -40,7 +40,7 @@ class ChunkRules:
         vLLM 0.33.0 also lets such a chunk run past the next block boundary when it starts
         inside a block, judged before the junction may cut the chunk: the block it starts in
         (a hit's copy) or the chunk's end then holds a state that is not its block's, and is
-        cached as if it were (README, finds). kvprop's scheduler always stops there."""
+        cached as if it were (docs/findings.md). kvprop's scheduler always stops there."""
         if not self.state_aligned:
             return num_tokens
         prefill_end = request.prefill_end

@@ -159,7 +159,7 @@ class OffloadWorker:
         groups (``reports_failed_requests``); before, vLLM's recovery for invalid blocks reads one
         block table per request (``(req_block_ids,) = kv_cache_manager.get_block_ids(req_id)``
         in ``Scheduler._update_requests_with_invalid_blocks``, marked TODO for hybrid models),
-        so with several groups any failed load crashes its scheduler (README). The release's
+        so with several groups any failed load crashes its scheduler (docs/findings.md). The release's
         source is read as text to tell; nothing of it is run."""
         if len(self.specs) == 1 or self.reports_failed_requests:
             return True

@@ -2,7 +2,7 @@
 
 kvprop's allocator models vLLM 0.33.0's rules without the bugs found in them. A release from
 before 0.33.0 lacks parts of that model, and every release from 0.30.0 on has known bugs that
-kvprop fixes (README, finds). The targets refuse what the installed release cannot run as
+kvprop fixes (docs/findings.md). The targets refuse what the installed release cannot run as
 kvprop models it (``allocator_refusal``, ``scheduler_refusal``: each names itself and the
 release), told from the release's own code, never from its version number. The step-for-step
 comparison leaves the parts a release lacks out of its walks and runs kvprop's allocator as the
@@ -18,7 +18,7 @@ import inspect
 from kvprop.allocator.specs import AllocatorConfig, EngineConfig, Mamba
 from kvprop.targets.vllm.loading import import_scheduler
 
-# The rules of 0.33.0's finds (README, finds), each a variant of kvprop's allocator.
+# The rules of 0.33.0's finds (docs/findings.md), each a variant of kvprop's allocator.
 RULES_0_33 = "checkpoint-over-running-state+reannounces-every-position+copy-before-compute"
 
 
@@ -150,7 +150,7 @@ def scheduler_refusal(config: EngineConfig) -> str | None:
     if config.speculative_tokens and config.token_budget < 1 + config.speculative_tokens:
         # vLLM pads (0.30.0 on) a request whose hit leaves one token to 1 + K rows and, when they
         # do not fit the step's budget, schedules nothing rather than one row: with a budget under
-        # 1 + K such a request waits forever (README, the scheduler target's finds)
+        # 1 + K such a request waits forever (docs/findings.md)
         return (
             f"with {config.speculative_tokens} drafts vLLM's scheduler needs a token budget of at least "
             f"{1 + config.speculative_tokens} (token_budget={config.token_budget})"

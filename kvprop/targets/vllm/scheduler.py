@@ -83,7 +83,7 @@ class SchedulerEngine(OffloadWorker, Engine):
         self.tells_steps = False  # schedule() tells the manager itself
         # vLLM promises to finish any request up to max_model_len, and sizes that from the tables
         # alone (check_enough_kv_cache_memory): the copies a hit inside a block takes are not
-        # its caller's to reserve (README, the scheduler target's finds)
+        # its caller's to reserve (docs/findings.md)
         self.copy_reserve = 0
         self.connector = None  # vLLM's own connector is in charge; kvprop plays its worker side
         self._init_transfers()

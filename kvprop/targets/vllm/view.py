@@ -35,7 +35,7 @@ class ManagerAdapter(Protocol):
 # From this pool size on, blocks are watched rather than compared with a snapshot at every
 # check: a watched write costs a Python call in vLLM's every block update. The watch is set
 # up at the first look for changes, so a run without checks never pays for it; with checks
-# it costs less than the snapshot from the smallest pools on (README, benchmarks: the vLLM
+# it costs less than the snapshot from the smallest pools on (`kvprop bench vllm`, its
 # target rows), so every pool is watched unless a benchmark sets this higher.
 WATCH_FROM_BLOCKS = 0
 
