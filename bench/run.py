@@ -5,7 +5,7 @@ python bench/run.py [--quick] [--json] [throughput] [scaling] [time_to_find] [vl
 
 import sys
 
-from kvprop import cli
+from kvprop.front import cli
 
 if __name__ == "__main__":
     sys.exit(cli.main(["bench", *sys.argv[1:]]))

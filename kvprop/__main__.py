@@ -1,5 +1,5 @@
 import sys
 
-from kvprop.cli import main
+from kvprop.front.cli import main
 
 sys.exit(main())

@@ -27,8 +27,11 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 DIR=${2:-$REPO/.venv-vllm-$VERSION}
 PY="$DIR/bin/python"
 
+# kvprop is installed from this checkout, and its command starts (an entry point moved since
+# the install leaves a command that does not)
 kvprop_ok() {
-  [ -x "$PY" ] && [ "$("$PY" -c 'import kvprop, os; print(os.path.dirname(os.path.dirname(os.path.abspath(kvprop.__file__))))' 2>/dev/null)" = "$REPO" ]
+  [ -x "$PY" ] && [ "$("$PY" -c 'import kvprop, os; print(os.path.dirname(os.path.dirname(os.path.abspath(kvprop.__file__))))' 2>/dev/null)" = "$REPO" ] \
+    && "$DIR/bin/kvprop" --version >/dev/null 2>&1
 }
 
 # The stamp names what the environment was checked for: the manager target ("VERSION") and,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import datetime
 
-from kvprop import bench_doc
+from kvprop.front import bench_doc
 
 RESULT = {
     "throughput": [

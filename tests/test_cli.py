@@ -260,7 +260,7 @@ def test_bench_baseline_needs_the_targets_part(tmp_path):
 
 
 def test_a_baseline_row_stands_beside_the_same_measure():
-    from kvprop.bench import with_baseline
+    from kvprop.front.bench import with_baseline
 
     rows = [{"measure": "m", "value": 2, "target": ">= 1", "met": "yes"}, {"measure": "n", "value": 3}]
     assert with_baseline(rows, {"m": 1}) == [

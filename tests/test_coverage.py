@@ -13,7 +13,7 @@ from pathlib import Path
 import coverage as coveragepy
 import pytest
 
-from kvprop import coverage as kc
+from kvprop.front import coverage as kc
 
 ROOT = Path(__file__).resolve().parent.parent
 ALLOCATOR = ROOT / "kvprop" / "allocator"

@@ -8,10 +8,10 @@ import re
 
 import attrs
 
-from kvprop import facts
 from kvprop.capabilities import Capabilities
 from kvprop.check.kinds import INVARIANTS, KINDS
-from kvprop.cli import main
+from kvprop.front import facts
+from kvprop.front.cli import main
 from kvprop.targets.protocol import REGISTRY
 from kvprop.targets.variants import VARIANTS
 

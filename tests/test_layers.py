@@ -1,4 +1,4 @@
-"""The package's layers: imports flow allocator -> sim -> check -> targets -> search -> repro -> top, never back."""
+"""The package's layers: imports flow allocator -> sim -> check -> targets -> search -> repro -> front, never back."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvprop"
-LAYERS = ("allocator", "sim", "check", "targets", "search", "repro", "top")
+LAYERS = ("allocator", "sim", "check", "targets", "search", "repro", "front", "top")
 FOUNDATION = {
     "kvprop",
     "kvprop.__version__",
@@ -55,11 +55,19 @@ def backward_imports():
     return found
 
 
+def test_the_top_level_shows_the_layers_one_door_and_the_foundation():
+    entries = sorted(p.name for p in PACKAGE.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file())
+    foundation = [f"{name[len('kvprop.') :]}.py" for name in FOUNDATION if name.count(".") == 1]
+    foundation = [f for f in foundation if f != "__version__.py"]  # a name in kvprop/__init__.py
+    layers = [layer for layer in LAYERS if layer != "top"]
+    assert entries == sorted(["__init__.py", "__main__.py", *foundation, *layers])
+
+
 def test_no_module_imports_a_higher_layer():
     assert backward_imports() == []
 
 
-@pytest.mark.parametrize("layer", ["allocator", "sim", "check", "targets", "search", "repro"])
+@pytest.mark.parametrize("layer", ["allocator", "sim", "check", "targets", "search", "repro", "front"])
 def test_every_layer_says_what_it_holds(layer):
     doc = ast.get_docstring(ast.parse((PACKAGE / layer / "__init__.py").read_text()))
     assert doc and len(doc) > 80

@@ -76,14 +76,14 @@ def kvprop_run(where: Path, target: str, *args: str) -> subprocess.CompletedProc
 
 
 def test_the_plugin_is_registered_through_the_pytest11_entry_point():
-    assert [e.value for e in entry_points(group="pytest11") if e.name == "kvprop"] == ["kvprop.pytest_plugin"]
+    assert [e.value for e in entry_points(group="pytest11") if e.name == "kvprop"] == ["kvprop.front.pytest_plugin"]
 
 
 def test_the_plugin_imports_neither_kvprop_nor_hypothesis_nor_torch():
     code = (
-        "import sys, kvprop.pytest_plugin; "
+        "import sys, kvprop.front.pytest_plugin; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'hypothesis', 'attrs')"
-        " or m.startswith('kvprop.') and m != 'kvprop.pytest_plugin'))"
+        " or m.startswith('kvprop.') and m not in ('kvprop.front', 'kvprop.front.pytest_plugin')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"

@@ -176,7 +176,7 @@ def test_every_make_target_the_readme_names_exists():
 
 
 def test_every_kvprop_command_the_readme_names_exists():
-    from kvprop.cli import build_parser
+    from kvprop.front.cli import build_parser
 
     commands = next(a.choices for a in build_parser()._subparsers._group_actions)  # the COMMAND argument
     assert sorted(quoted(TEXT, "kvprop") - set(commands)) == []

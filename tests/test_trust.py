@@ -97,7 +97,7 @@ def no_view(config):
 import sys
 
 import kvprop.repro.minimise as minimise
-from kvprop.cli import main
+from kvprop.front.cli import main
 
 real = minimise.execute
 calls = [0]

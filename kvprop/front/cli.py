@@ -113,7 +113,8 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvprop import commands as c
+    from kvprop.front import commands as c
+    from kvprop.front import fuzz_command as fc
 
     p = argparse.ArgumentParser(prog="kvprop", description=__doc__.split("\n")[0], formatter_class=_Formatter)
     p.add_argument("--version", action="version", version=f"kvprop {__version__}")
@@ -145,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
             "before it is a target-hang find",
         )
 
-    f = command("fuzz", c.cmd_fuzz, "search for a violation until the budget ends (exit 1 found, 0 clean)")
+    f = command("fuzz", fc.cmd_fuzz, "search for a violation until the budget ends (exit 1 found, 0 clean)")
     f.add_argument("--seconds", type=seconds, default=60.0, help="time budget, counted from the command's start")
     f.add_argument("--workers", type=workers, default=cores(), help="worker processes (the default is the cores)")
     f.add_argument(
@@ -198,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the target the test replays on (default: the trace's, if it is one of kvprop's own)",
     )
 
-    b = command("bugs", c.cmd_bugs, "fuzz every bug variant from scratch and tabulate (exit 0: all found)")
+    b = command("bugs", fc.cmd_bugs, "fuzz every bug variant from scratch and tabulate (exit 0: all found)")
     b.add_argument("--seconds-per-bug", type=seconds, default=30.0, help="budget per variant")
     b.add_argument("--driver", default="walk", choices=DRIVERS, help="the search driver")
     b.add_argument("--workers", type=workers, default=1, help="worker processes per search")
@@ -212,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = command("targets", c.cmd_targets, "list the registered targets, what each declares and the release it drives")
     t.add_argument("--json", action="store_true", help="print the list as JSON")
 
-    from kvprop import facts
+    from kvprop.front import facts
 
     fa = command("facts", facts.cmd_facts, "rewrite or check the blocks of docs/design.md the code generates")
     mode = fa.add_mutually_exclusive_group(required=True)
@@ -312,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _bench_part(text: str) -> str:
     # not argparse's choices: with nargs="*" it rejects an empty list (no part named); the
     # bench module is imported only when its command is parsed, since it runs it anyway
-    from kvprop.bench import PARTS
+    from kvprop.front.bench import PARTS
 
     if text not in PARTS:
         raise argparse.ArgumentTypeError(f"invalid part {text!r} (choose from {', '.join(PARTS)})")

@@ -2,7 +2,7 @@
 
 Figures are wall-clock on whatever machine runs them; compare ratios measured in one run.
 Nothing here is asserted: the targets part states each speed target beside the measured value.
-The tables are rendered by ``kvprop.bench_doc`` (``--markdown PATH`` writes them as a document,
+The tables are rendered by ``kvprop.front.bench_doc`` (``--markdown PATH`` writes them as a document,
 docs/benchmarks.md through ``make benchmarks``).
 """
 
@@ -21,10 +21,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
 
-from kvprop import bench_doc
 from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, Mamba, SlidingWindow
 from kvprop.check.checker import Checker
 from kvprop.errors import ConfigError
+from kvprop.front import bench_doc
 from kvprop.repro.minimise import minimise
 from kvprop.search import DRIVERS, fuzz, profiles
 from kvprop.search.machine import machine_for, trace_length

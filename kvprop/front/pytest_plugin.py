@@ -1,6 +1,6 @@
 """kvprop inside a project's own test suite: ``pytest --kvprop-target package.module:factory``.
 
-Registered through the ``pytest11`` entry point (``kvprop = kvprop.pytest_plugin``), as
+Registered through the ``pytest11`` entry point (``kvprop = kvprop.front.pytest_plugin``), as
 Hypothesis registers its own, so pytest loads it in every session of an environment kvprop
 is installed in. It therefore imports nothing of kvprop, Hypothesis or torch at import time,
 and does nothing at all unless ``--kvprop-target`` is given. With it, the session gets one

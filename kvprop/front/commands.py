@@ -1,8 +1,5 @@
-"""What each ``kvprop`` command does; ``kvprop.cli`` parses and maps outcomes to exit codes.
-
-A find is on disk the moment it is reported (``<name>.found.json``), before it is
-minimised; Ctrl-C while minimising keeps the smallest trace so far.
-"""
+"""What each ``kvprop`` command but the search does (``fuzz_command`` runs ``fuzz`` and ``bugs``),
+and the helpers they share; ``kvprop.front.cli`` parses and maps outcomes to exit codes."""
 
 from __future__ import annotations
 
@@ -17,19 +14,19 @@ from pathlib import Path
 
 import attrs
 
-from kvprop import __version__, interrupt
+from kvprop import __version__
 from kvprop.errors import ConfigError
-from kvprop.exits import EXIT_CLEAN, EXIT_FOUND, EXIT_INTERRUPTED, EXIT_USAGE
+from kvprop.exits import EXIT_CLEAN, EXIT_FOUND
 
 PROGRESS_EVERY = 1.0
 
 
-def _say(args, text: str = "") -> None:
+def say(args, text: str = "") -> None:
     """Human output: stdout, or stderr when stdout carries --json."""
     print(text, file=sys.stderr if getattr(args, "json", False) else sys.stdout, flush=True)
 
 
-def _print_steps(trace, supervisor, out=print, log_to: Path | None = None):
+def print_steps(trace, supervisor, out=print, log_to: Path | None = None):
     """Replay ``trace`` in ``supervisor``'s worker, printing each step; the failure, if any.
     If the target's process died, what it printed is kept at ``log_to``."""
     out(f"config: {trace.config!r}")
@@ -60,20 +57,20 @@ ORIGINS = {
 }
 
 
-def _supervisor(args, variant, target, fresh: bool = False):
+def supervisor_for(args, variant, target, fresh: bool = False):
     from kvprop.search.supervisor import Supervisor
 
     return Supervisor(target, variant, args.device, args.call_timeout, fresh=fresh)
 
 
-def _check_device(device) -> None:
+def check_device(device) -> None:
     if device is not None:
         from kvprop.sim.memory import pick_device
 
         pick_device(device)
 
 
-def _check_allocator(variant, target) -> None:
+def check_allocator(variant, target) -> None:
     """The variant exists, and applies to the kvprop target only; the target is named as one is.
     Nothing is imported: the target is loaded only in a supervised worker."""
     from kvprop.targets import check_name
@@ -85,7 +82,7 @@ def _check_allocator(variant, target) -> None:
         raise ConfigError(f"--variant {variant!r} applies to the kvprop target only, not to --target {target!r}")
 
 
-def _minimise(args, found, supervisor):
+def minimise_find(args, found, supervisor):
     """Minimise with a progress line, each candidate in ``supervisor``'s worker; Ctrl-C keeps
     the best so far. Returns (trace, interrupted)."""
     from kvprop.repro.minimise import minimiser_for
@@ -95,7 +92,7 @@ def _minimise(args, found, supervisor):
     def progress(best, replays):
         if time.monotonic() - last[0] >= PROGRESS_EVERY:
             last[0] = time.monotonic()
-            _say(args, f"  minimising: {len(best.steps)} operations ({replays} replays)")
+            say(args, f"  minimising: {len(best.steps)} operations ({replays} replays)")
 
     minimiser = None
     try:
@@ -115,186 +112,6 @@ def _minimise(args, found, supervisor):
 # ---- fuzz ---------------------------------------------------------------------------------
 
 
-def cmd_fuzz(args) -> int:
-    from kvprop.repro import counterexample
-    from kvprop.search import fuzz
-
-    if getattr(args, "seed", None) is None:
-        args.seed = time.time_ns() % 1_000_000_007
-    _check_device(args.device)
-    _check_allocator(args.variant, args.target)
-    if args.known and args.driver != "walk":
-        raise ConfigError(f"--known keeps searching past a find, which only the walk driver does, not {args.driver!r}")
-    out = counterexample.check_out(Path(args.out))
-    args.logs = {}  # a find's trace -> where the target's output in its run is kept
-    with _supervisor(args, args.variant, args.target) as supervisor:
-        dead = supervisor.probe()
-    if dead is not None:  # the target died or hung while being built: a find before any search
-        return _report_find(args, fuzz.FuzzResult(dead, 0, 0, 0.0, frozenset(), 0.0), out, _summary(args, None))
-    if args.canary and not _canary(args):
-        return EXIT_USAGE
-    opts = fuzz.FuzzOptions(
-        seconds=args.seconds,
-        workers=args.workers,
-        seed=args.seed,
-        driver=args.driver,
-        variant=args.variant,
-        target=args.target,
-        device=args.device,
-        max_ops=args.max_ops,
-        max_runs=args.max_runs,
-        redis=args.redis,
-        fresh=args.fresh,
-        known=args.known,
-        call_timeout=args.call_timeout,
-    )
-    label = f"variant {args.variant}" if args.variant else f"target {args.target or 'kvprop'}"
-    workers = f"{args.workers} worker{'s' if args.workers != 1 else ''}"
-    _say(
-        args,
-        f"kvprop {__version__} fuzz: driver {args.driver}, {label}, {workers}, "
-        f"{args.seconds:g}s budget, seed {args.seed}",
-    )
-    saved = {}
-
-    def on_find(trace, log=None):
-        name = counterexample.name_for(trace)
-        saved[name] = counterexample.write_found(trace, out, name)
-        known = " (a known kind: the search goes on)" if trace.failure.kind in args.known else ""
-        _say(args, f"found {trace.failure.kind} (seed {trace.seed}); saved {saved[name]}{known}")
-        if log is not None:
-            args.logs[trace] = counterexample.keep_log(Path(log), out, name)
-            _say(args, f"  the target's output in that run: {args.logs[trace]}")
-
-    try:
-        result = fuzz.search(opts, status=lambda line: _say(args, line), on_find=on_find, started=args.started)
-    except fuzz.Unusable as e:
-        raise ConfigError(f"nothing could be tested: {e}") from None
-    summary = _summary(args, result)
-    if result.interrupted:
-        _say(
-            args,
-            f"\ninterrupted: {result.runs:,} runs, {result.steps:,} steps in {result.seconds:.1f}s, seed {args.seed}",
-        )
-        for path in saved.values():
-            _say(args, f"  a find is saved in {path}")
-        _emit_json(args, summary, saved=[str(p) for p in saved.values()])
-        return EXIT_INTERRUPTED
-    if result.found is None:
-        return _clean(args, result, summary)
-    return _report_find(args, result, out, summary)
-
-
-def _summary(args, result) -> dict:
-    from kvprop.search.fuzz import FuzzResult
-    from kvprop.sim.engine import EVENTS
-
-    result = result or FuzzResult(None, 0, 0, 0.0, frozenset())
-    return {
-        "runs": result.runs,
-        "steps": result.steps,
-        "seconds": round(result.seconds, 3),
-        "refused_configurations": result.runs - result.executed_runs,
-        "refused_reasons": result.refused,
-        "events": {name: name in result.events for name in EVENTS},
-        "seed": args.seed,
-        "driver": args.driver,
-        "target": args.target or "kvprop",
-        "variant": args.variant,
-        "known_finds": result.known,
-        "find": None,
-    }
-
-
-def _emit_json(args, summary, **extra) -> None:
-    if args.json:
-        print(json.dumps({**summary, **extra}, indent=1))
-
-
-def _clean(args, result, summary) -> int:
-    from kvprop.search.fuzz import MIN_EXECUTED
-    from kvprop.sim.engine import EVENTS
-
-    refused = result.runs - result.executed_runs
-    if refused:
-        reason, count = max(result.refused.items(), key=lambda kv: kv[1])
-        _say(
-            args, f"the target refused {refused:,} of {result.runs:,} configurations; most often ({count:,}): {reason}"
-        )
-    if result.runs == 0:
-        _say(args, f"NOT CLEAN: the {args.seconds:g}s budget ended before any run completed; nothing was tested")
-        _emit_json(args, summary, verdict="untested")
-        return EXIT_USAGE
-    if result.steps == 0 or result.executed_runs < MIN_EXECUTED * result.runs:
-        _say(
-            args,
-            f"NOT CLEAN: {result.steps:,} steps ran and the target built {result.executed_runs:,} of "
-            f"{result.runs:,} sampled configurations (at least {MIN_EXECUTED:.0%} must run); nothing was tested enough",
-        )
-        _emit_json(args, summary, verdict="untested")
-        return EXIT_USAGE
-    missing = [e for e in EVENTS if e not in result.events]
-    known = ""
-    if result.known:
-        counts = ", ".join(f"{kind} {n:,}" for kind, n in sorted(result.known.items()))
-        known = f" but for finds of the known kinds ({counts}; saved under {args.out})"
-    _say(
-        args,
-        f"clean{known}: {result.runs:,} runs, {result.steps:,} steps in {result.seconds:.1f}s; "
-        f"events reached {len(EVENTS) - len(missing)}/{len(EVENTS)}",
-    )
-    if missing:
-        _say(args, "  not reached: " + "; ".join(missing))
-    _emit_json(args, summary, verdict="clean")
-    return EXIT_CLEAN
-
-
-def _report_find(args, result, out, summary) -> int:
-    from kvprop.repro import counterexample
-
-    found = result.found
-    name = counterexample.name_for(found)
-    best, interrupted = found, False
-    with _supervisor(args, args.variant, args.target) as supervisor:
-        if not result.shared:
-            _say(args, f"\nminimising {len(found.steps)} operations (Ctrl-C keeps the smallest so far) ...")
-            best, interrupted = _minimise(args, found, supervisor)
-        return _write_find(args, result, out, summary, name, best, interrupted, supervisor)
-
-
-def _write_find(args, result, out, summary, name, best, interrupted, supervisor) -> int:
-    from kvprop.repro import counterexample
-
-    found = result.found
-    if result.shared:
-        _say(args, f"\nFOUND {best.failure.kind} by another machine (shared store); {len(best.steps)} operations:")
-    else:
-        verdict = "minimising interrupted at" if interrupted else "minimised to"
-        _say(
-            args,
-            f"\nFOUND {best.failure.kind} after {result.seconds_to_find:.1f}s ({args.driver} seed "
-            f"{found.seed}); {len(found.steps)} operations {verdict} {len(best.steps)}:",
-        )
-    trace_path, test_path = counterexample.write(best, out, name)  # on disk before it runs again
-    _print_steps(best, supervisor, out=lambda s: _say(args, s))
-    _say(args, f"\nwrote {trace_path}\nwrote {test_path}\nreplay: {_replay_line(trace_path, best)}")
-    if not result.deterministic:
-        _say(args, "note: with several hypothesis workers, which find is reported depends on timing")
-    summary["find"] = {
-        "kind": best.failure.kind,
-        "origin": best.failure.origin,
-        "message": best.failure.message,
-        "seed": found.seed,
-        "operations_found": len(found.steps),
-        "operations_minimised": len(best.steps),
-        "trace": str(trace_path),
-        "test": str(test_path),
-        "log": str(args.logs[found]) if found in args.logs else None,
-    }
-    _emit_json(args, summary, verdict="found")
-    return EXIT_FOUND
-
-
 def _check_out(args) -> None:
     """``--out`` can take a find before anything runs (kvprop.repro.counterexample.check_out)."""
     from kvprop.repro import counterexample
@@ -312,48 +129,19 @@ def _died(args, died, command: str) -> int:
     name = counterexample.name_for(trace)
     path = counterexample.write_found(trace, out, name)
     print(f"FOUND {trace.failure.kind} while {command} ran the target: {trace.failure.message}", file=sys.stderr)
-    print(f"saved {path}\nreplay: {_replay_line(path, trace)}", file=sys.stderr)
+    print(f"saved {path}\nreplay: {replay_line(path, trace)}", file=sys.stderr)
     if died.log is not None:
         print(f"the target's output in that run: {counterexample.keep_log(died.log, out, name)}", file=sys.stderr)
     return EXIT_FOUND
 
 
-def _replay_line(path, trace) -> str:
+def replay_line(path, trace) -> str:
     """The command that replays ``path``, shell-quoted; a target outside kvprop is named, since
     a trace never chooses code itself."""
     from kvprop.targets import is_builtin
 
     target = "" if is_builtin(trace.target) else f" --target {shlex.quote(trace.target)}"
     return f"kvprop replay {shlex.quote(str(path))}{target}"
-
-
-def _canary(args) -> bool:
-    """The canary fault switched on in the target being fuzzed must be found within its budget."""
-    from kvprop.search import fuzz
-
-    _say(args, f"canary: searching target {args.target or 'kvprop'} with the canary fault switched on ...")
-    opts = fuzz.FuzzOptions(
-        seconds=args.canary_seconds,
-        workers=args.workers,
-        seed=args.seed,
-        driver="walk",
-        variant=args.variant,
-        target=args.target,
-        device=args.device,
-        canary=True,
-        call_timeout=args.call_timeout,
-    )
-    result = fuzz.search(opts)
-    if result.found is None:
-        _say(
-            args,
-            f"canary FAILED: the fault was not found in {args.canary_seconds:g}s ({result.steps:,} steps); "
-            f"refusing to fuzz (the checks would not find a real bug either)",
-        )
-        return False
-    seconds = result.seconds_to_find or 0.0
-    _say(args, f"canary ok: found {result.found.failure.kind if result.found.failure else '?'} in {seconds:.2f}s")
-    return True
 
 
 # ---- the other commands --------------------------------------------------------------------
@@ -382,8 +170,8 @@ def _load(args, command: str):
     trace = tr.load(args.file)
     variant = args.variant if args.variant is not None else trace.variant
     target = _trusted_target(trace, args, command)
-    _check_device(args.device)
-    _check_allocator(variant, target)
+    check_device(args.device)
+    check_allocator(variant, target)
     return trace, variant, target
 
 
@@ -393,8 +181,8 @@ def cmd_replay(args) -> int:
         f"replaying {args.file} ({len(trace.steps)} operations) on variant {variant or 'correct'}, "
         f"target {target or 'kvprop'}"
     )
-    with _supervisor(args, variant, target) as supervisor:
-        failure = _print_steps(trace, supervisor, log_to=Path(args.file).with_suffix(".replay.log"))
+    with supervisor_for(args, variant, target) as supervisor:
+        failure = print_steps(trace, supervisor, log_to=Path(args.file).with_suffix(".replay.log"))
     if failure is None:
         print("PASSED: the trace no longer fails")
         return EXIT_CLEAN
@@ -407,7 +195,6 @@ def cmd_replay(args) -> int:
 def cmd_minimise(args) -> int:
     import attrs
 
-
     trace, variant, target = _load(args, "minimise")
     out = Path(args.out or args.file)
     if out.is_dir():
@@ -415,9 +202,9 @@ def cmd_minimise(args) -> int:
     if out.parent and not out.parent.exists():
         out.parent.mkdir(parents=True)
     print(f"minimising {args.file} ({len(trace.steps)} operations; Ctrl-C keeps the smallest so far) ...", flush=True)
-    with _supervisor(args, variant, target) as supervisor:
+    with supervisor_for(args, variant, target) as supervisor:
         try:
-            best, interrupted = _minimise(args, trace, supervisor)
+            best, interrupted = minimise_find(args, trace, supervisor)
         except ValueError as e:
             print(f"cannot minimise: {e}")
             return EXIT_CLEAN
@@ -425,7 +212,7 @@ def cmd_minimise(args) -> int:
         out = _save_or_fall_back(best, out)
         stopped = " (interrupted: the smallest so far)" if interrupted else ""
         print(f"{len(trace.steps)} operations -> {len(best.steps)}{stopped}; wrote {out}")
-        _print_steps(best, supervisor)
+        print_steps(best, supervisor)
     return EXIT_FOUND
 
 
@@ -465,66 +252,6 @@ def cmd_emit_test(args) -> int:
     out.write_text(source, encoding="utf-8")
     print(f"wrote {out}")
     return EXIT_CLEAN
-
-
-def cmd_bugs(args) -> int:
-    from kvprop.repro.minimise import minimise
-    from kvprop.search import fuzz
-    from kvprop.search.machine import trace_length
-    from kvprop.targets.variants import VARIANTS
-
-    _check_device(args.device)
-    if args.no_guards:
-        from kvprop.allocator import guards
-
-        guards.ENABLED = False  # the workers fork from here and inherit it
-    if not args.json:
-        guarded = "without the allocator's own guards" if args.no_guards else "guards on"
-        print(
-            f"kvprop {__version__} bugs: every variant from scratch, driver {args.driver}, "
-            f"{args.seconds_per_bug:g}s each, seed {args.seed}, {guarded}\n"
-            f"{'variant':30s} {'result':9s} {'seconds':>9s} {'runs':>7s} {'steps':>9s}       {'minimised':>4s}",
-            flush=True,
-        )
-    rows = []
-    for name in VARIANTS:
-        interrupt.check()
-        opts = fuzz.FuzzOptions(
-            seconds=args.seconds_per_bug,
-            workers=args.workers,
-            seed=args.seed,
-            driver=args.driver,
-            variant=name,
-            device=args.device,
-        )
-        result = fuzz.search(opts)
-        if result.interrupted:
-            raise KeyboardInterrupt
-        best = minimise(result.found, variant=name, device=args.device) if result.found else None
-        rows.append(
-            {
-                "variant": name,
-                "driver": args.driver,
-                "found": result.found is not None,
-                "kind": best.failure.kind if best and best.failure else None,
-                "seconds": round(result.seconds_to_find or 0.0, 3) if result.found else None,
-                "runs": result.runs if result.found else None,
-                "steps": result.steps if result.found else None,
-                "minimised_steps": trace_length(best) if best else None,
-            }
-        )
-        if not args.json:
-            r = rows[-1]
-            print(
-                f"{name:30s} {'found' if r['found'] else 'NOT FOUND':9s} "
-                f"{(str(r['seconds']) + 's') if r['found'] else '-':>9s} {str(r['runs'] or '-'):>7s} "
-                f"{str(r['steps'] or '-'):>9s} steps "
-                f"{str(r['minimised_steps'] or '-'):>4s} ({r['kind'] or '-'})",
-                flush=True,
-            )
-    if args.json:
-        print(json.dumps(rows, indent=1))
-    return EXIT_CLEAN if all(r["found"] for r in rows) else EXIT_FOUND
 
 
 def cmd_variants(args) -> int:
@@ -584,11 +311,11 @@ def cmd_agree(args) -> int:
         raise ConfigError("agree compares kvprop's allocator with another target: give --target vllm or pkg.mod:f")
     rules = _take_release_rules(args) if args.release_rules else None
     _check_out(args)
-    _check_allocator(args.reference_variant, None)  # an unknown name is refused before anything runs
-    _check_allocator(None, args.target)
-    _say(args, f"kvprop {__version__} agree: kvprop vs {args.target}, walks {args.seed}..{args.seed + args.walks - 1}")
+    check_allocator(args.reference_variant, None)  # an unknown name is refused before anything runs
+    check_allocator(None, args.target)
+    say(args, f"kvprop {__version__} agree: kvprop vs {args.target}, walks {args.seed}..{args.seed + args.walks - 1}")
     if rules is not None:
-        _say(args, rules)
+        say(args, rules)
     seeds = range(args.seed, args.seed + args.walks)
     options = {
         "target": args.target,
@@ -601,7 +328,7 @@ def cmd_agree(args) -> int:
         "incremental_report": args.incremental_report,
     }
     args.device = None
-    with _supervisor(args, None, args.target) as supervisor:
+    with supervisor_for(args, None, args.target) as supervisor:
         try:
             result = supervisor.call(agree, options)
         except Died as died:
@@ -667,7 +394,7 @@ def cmd_targets(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from kvprop import bench
+    from kvprop.front import bench
     from kvprop.search.supervisor import Died
 
     try:
@@ -688,16 +415,16 @@ def _bench(bench, args) -> int:
 
 
 def cmd_coverage(args) -> int:
-    from kvprop import coverage
+    from kvprop.front import coverage
     from kvprop.search.supervisor import Died
 
-    _check_device(args.device)  # the target and variant are checked in the worker, before it measures
+    check_device(args.device)  # the target and variant are checked in the worker, before it measures
     _check_out(args)
     label = f"variant {args.variant}" if args.variant else f"target {args.target or 'kvprop'}"
-    _say(args, f"kvprop {__version__} coverage: {label}, walk driver, {args.seconds:g}s budget, seed {args.seed}")
+    say(args, f"kvprop {__version__} coverage: {label}, walk driver, {args.seconds:g}s budget, seed {args.seed}")
 
     def progress(runs, steps, elapsed):
-        _say(args, f"  {elapsed:5.0f}s: {runs:,} walks, {steps:,} steps")
+        say(args, f"  {elapsed:5.0f}s: {runs:,} walks, {steps:,} steps")
 
     options = {
         "target": args.target,
@@ -708,7 +435,7 @@ def cmd_coverage(args) -> int:
         "device": args.device,
         "html": args.html,
     }
-    with _supervisor(args, args.variant, args.target, fresh=True) as supervisor:  # the walks run in a new process
+    with supervisor_for(args, args.variant, args.target, fresh=True) as supervisor:  # the walks run in a new process
         try:
             report = supervisor.call(coverage.measure, options, progress=progress)
         except Died as died:

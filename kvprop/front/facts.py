@@ -17,7 +17,7 @@ import attrs
 
 from kvprop.errors import ConfigError
 
-PACKAGE = Path(__file__).resolve().parent
+PACKAGE = Path(__file__).resolve().parent.parent
 DESIGN = PACKAGE.parent / "docs" / "design.md"
 BLOCK = re.compile(r"<!-- facts:([a-z_]+) -->\n(.*?)<!-- /facts -->", re.DOTALL)
 EXIT_STALE = 1

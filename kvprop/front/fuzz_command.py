@@ -1,0 +1,291 @@
+"""``kvprop fuzz`` and ``kvprop bugs``: a search, and what becomes of its find.
+
+A find is on disk the moment it is reported (``<name>.found.json``), before it is
+minimised; Ctrl-C while minimising keeps the smallest trace so far.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from kvprop import __version__, interrupt
+from kvprop.errors import ConfigError
+from kvprop.exits import EXIT_CLEAN, EXIT_FOUND, EXIT_INTERRUPTED, EXIT_USAGE
+from kvprop.front.commands import (
+    check_allocator,
+    check_device,
+    minimise_find,
+    print_steps,
+    replay_line,
+    say,
+    supervisor_for,
+)
+
+
+def cmd_fuzz(args) -> int:
+    from kvprop.repro import counterexample
+    from kvprop.search import fuzz
+
+    if getattr(args, "seed", None) is None:
+        args.seed = time.time_ns() % 1_000_000_007
+    check_device(args.device)
+    check_allocator(args.variant, args.target)
+    if args.known and args.driver != "walk":
+        raise ConfigError(f"--known keeps searching past a find, which only the walk driver does, not {args.driver!r}")
+    out = counterexample.check_out(Path(args.out))
+    args.logs = {}  # a find's trace -> where the target's output in its run is kept
+    with supervisor_for(args, args.variant, args.target) as supervisor:
+        dead = supervisor.probe()
+    if dead is not None:  # the target died or hung while being built: a find before any search
+        return _report_find(args, fuzz.FuzzResult(dead, 0, 0, 0.0, frozenset(), 0.0), out, _summary(args, None))
+    if args.canary and not _canary(args):
+        return EXIT_USAGE
+    opts = fuzz.FuzzOptions(
+        seconds=args.seconds,
+        workers=args.workers,
+        seed=args.seed,
+        driver=args.driver,
+        variant=args.variant,
+        target=args.target,
+        device=args.device,
+        max_ops=args.max_ops,
+        max_runs=args.max_runs,
+        redis=args.redis,
+        fresh=args.fresh,
+        known=args.known,
+        call_timeout=args.call_timeout,
+    )
+    label = f"variant {args.variant}" if args.variant else f"target {args.target or 'kvprop'}"
+    workers = f"{args.workers} worker{'s' if args.workers != 1 else ''}"
+    say(
+        args,
+        f"kvprop {__version__} fuzz: driver {args.driver}, {label}, {workers}, "
+        f"{args.seconds:g}s budget, seed {args.seed}",
+    )
+    saved = {}
+
+    def on_find(trace, log=None):
+        name = counterexample.name_for(trace)
+        saved[name] = counterexample.write_found(trace, out, name)
+        known = " (a known kind: the search goes on)" if trace.failure.kind in args.known else ""
+        say(args, f"found {trace.failure.kind} (seed {trace.seed}); saved {saved[name]}{known}")
+        if log is not None:
+            args.logs[trace] = counterexample.keep_log(Path(log), out, name)
+            say(args, f"  the target's output in that run: {args.logs[trace]}")
+
+    try:
+        result = fuzz.search(opts, status=lambda line: say(args, line), on_find=on_find, started=args.started)
+    except fuzz.Unusable as e:
+        raise ConfigError(f"nothing could be tested: {e}") from None
+    summary = _summary(args, result)
+    if result.interrupted:
+        say(
+            args,
+            f"\ninterrupted: {result.runs:,} runs, {result.steps:,} steps in {result.seconds:.1f}s, seed {args.seed}",
+        )
+        for path in saved.values():
+            say(args, f"  a find is saved in {path}")
+        _emit_json(args, summary, saved=[str(p) for p in saved.values()])
+        return EXIT_INTERRUPTED
+    if result.found is None:
+        return _clean(args, result, summary)
+    return _report_find(args, result, out, summary)
+
+
+def _summary(args, result) -> dict:
+    from kvprop.search.fuzz import FuzzResult
+    from kvprop.sim.engine import EVENTS
+
+    result = result or FuzzResult(None, 0, 0, 0.0, frozenset())
+    return {
+        "runs": result.runs,
+        "steps": result.steps,
+        "seconds": round(result.seconds, 3),
+        "refused_configurations": result.runs - result.executed_runs,
+        "refused_reasons": result.refused,
+        "events": {name: name in result.events for name in EVENTS},
+        "seed": args.seed,
+        "driver": args.driver,
+        "target": args.target or "kvprop",
+        "variant": args.variant,
+        "known_finds": result.known,
+        "find": None,
+    }
+
+
+def _emit_json(args, summary, **extra) -> None:
+    if args.json:
+        print(json.dumps({**summary, **extra}, indent=1))
+
+
+def _clean(args, result, summary) -> int:
+    from kvprop.search.fuzz import MIN_EXECUTED
+    from kvprop.sim.engine import EVENTS
+
+    refused = result.runs - result.executed_runs
+    if refused:
+        reason, count = max(result.refused.items(), key=lambda kv: kv[1])
+        say(args, f"the target refused {refused:,} of {result.runs:,} configurations; most often ({count:,}): {reason}")
+    if result.runs == 0:
+        say(args, f"NOT CLEAN: the {args.seconds:g}s budget ended before any run completed; nothing was tested")
+        _emit_json(args, summary, verdict="untested")
+        return EXIT_USAGE
+    if result.steps == 0 or result.executed_runs < MIN_EXECUTED * result.runs:
+        say(
+            args,
+            f"NOT CLEAN: {result.steps:,} steps ran and the target built {result.executed_runs:,} of "
+            f"{result.runs:,} sampled configurations (at least {MIN_EXECUTED:.0%} must run); nothing was tested enough",
+        )
+        _emit_json(args, summary, verdict="untested")
+        return EXIT_USAGE
+    missing = [e for e in EVENTS if e not in result.events]
+    known = ""
+    if result.known:
+        counts = ", ".join(f"{kind} {n:,}" for kind, n in sorted(result.known.items()))
+        known = f" but for finds of the known kinds ({counts}; saved under {args.out})"
+    say(
+        args,
+        f"clean{known}: {result.runs:,} runs, {result.steps:,} steps in {result.seconds:.1f}s; "
+        f"events reached {len(EVENTS) - len(missing)}/{len(EVENTS)}",
+    )
+    if missing:
+        say(args, "  not reached: " + "; ".join(missing))
+    _emit_json(args, summary, verdict="clean")
+    return EXIT_CLEAN
+
+
+def _report_find(args, result, out, summary) -> int:
+    from kvprop.repro import counterexample
+
+    found = result.found
+    name = counterexample.name_for(found)
+    best, interrupted = found, False
+    with supervisor_for(args, args.variant, args.target) as supervisor:
+        if not result.shared:
+            say(args, f"\nminimising {len(found.steps)} operations (Ctrl-C keeps the smallest so far) ...")
+            best, interrupted = minimise_find(args, found, supervisor)
+        return _write_find(args, result, out, summary, name, best, interrupted, supervisor)
+
+
+def _write_find(args, result, out, summary, name, best, interrupted, supervisor) -> int:
+    from kvprop.repro import counterexample
+
+    found = result.found
+    if result.shared:
+        say(args, f"\nFOUND {best.failure.kind} by another machine (shared store); {len(best.steps)} operations:")
+    else:
+        verdict = "minimising interrupted at" if interrupted else "minimised to"
+        say(
+            args,
+            f"\nFOUND {best.failure.kind} after {result.seconds_to_find:.1f}s ({args.driver} seed "
+            f"{found.seed}); {len(found.steps)} operations {verdict} {len(best.steps)}:",
+        )
+    trace_path, test_path = counterexample.write(best, out, name)  # on disk before it runs again
+    print_steps(best, supervisor, out=lambda s: say(args, s))
+    say(args, f"\nwrote {trace_path}\nwrote {test_path}\nreplay: {replay_line(trace_path, best)}")
+    if not result.deterministic:
+        say(args, "note: with several hypothesis workers, which find is reported depends on timing")
+    summary["find"] = {
+        "kind": best.failure.kind,
+        "origin": best.failure.origin,
+        "message": best.failure.message,
+        "seed": found.seed,
+        "operations_found": len(found.steps),
+        "operations_minimised": len(best.steps),
+        "trace": str(trace_path),
+        "test": str(test_path),
+        "log": str(args.logs[found]) if found in args.logs else None,
+    }
+    _emit_json(args, summary, verdict="found")
+    return EXIT_FOUND
+
+
+def _canary(args) -> bool:
+    """The canary fault switched on in the target being fuzzed must be found within its budget."""
+    from kvprop.search import fuzz
+
+    say(args, f"canary: searching target {args.target or 'kvprop'} with the canary fault switched on ...")
+    opts = fuzz.FuzzOptions(
+        seconds=args.canary_seconds,
+        workers=args.workers,
+        seed=args.seed,
+        driver="walk",
+        variant=args.variant,
+        target=args.target,
+        device=args.device,
+        canary=True,
+        call_timeout=args.call_timeout,
+    )
+    result = fuzz.search(opts)
+    if result.found is None:
+        say(
+            args,
+            f"canary FAILED: the fault was not found in {args.canary_seconds:g}s ({result.steps:,} steps); "
+            f"refusing to fuzz (the checks would not find a real bug either)",
+        )
+        return False
+    seconds = result.seconds_to_find or 0.0
+    say(args, f"canary ok: found {result.found.failure.kind if result.found.failure else '?'} in {seconds:.2f}s")
+    return True
+
+
+def cmd_bugs(args) -> int:
+    from kvprop.repro.minimise import minimise
+    from kvprop.search import fuzz
+    from kvprop.search.machine import trace_length
+    from kvprop.targets.variants import VARIANTS
+
+    check_device(args.device)
+    if args.no_guards:
+        from kvprop.allocator import guards
+
+        guards.ENABLED = False  # the workers fork from here and inherit it
+    if not args.json:
+        guarded = "without the allocator's own guards" if args.no_guards else "guards on"
+        print(
+            f"kvprop {__version__} bugs: every variant from scratch, driver {args.driver}, "
+            f"{args.seconds_per_bug:g}s each, seed {args.seed}, {guarded}\n"
+            f"{'variant':30s} {'result':9s} {'seconds':>9s} {'runs':>7s} {'steps':>9s}       {'minimised':>4s}",
+            flush=True,
+        )
+    rows = []
+    for name in VARIANTS:
+        interrupt.check()
+        opts = fuzz.FuzzOptions(
+            seconds=args.seconds_per_bug,
+            workers=args.workers,
+            seed=args.seed,
+            driver=args.driver,
+            variant=name,
+            device=args.device,
+        )
+        result = fuzz.search(opts)
+        if result.interrupted:
+            raise KeyboardInterrupt
+        best = minimise(result.found, variant=name, device=args.device) if result.found else None
+        rows.append(
+            {
+                "variant": name,
+                "driver": args.driver,
+                "found": result.found is not None,
+                "kind": best.failure.kind if best and best.failure else None,
+                "seconds": round(result.seconds_to_find or 0.0, 3) if result.found else None,
+                "runs": result.runs if result.found else None,
+                "steps": result.steps if result.found else None,
+                "minimised_steps": trace_length(best) if best else None,
+            }
+        )
+        if not args.json:
+            r = rows[-1]
+            print(
+                f"{name:30s} {'found' if r['found'] else 'NOT FOUND':9s} "
+                f"{(str(r['seconds']) + 's') if r['found'] else '-':>9s} {str(r['runs'] or '-'):>7s} "
+                f"{str(r['steps'] or '-'):>9s} steps "
+                f"{str(r['minimised_steps'] or '-'):>4s} ({r['kind'] or '-'})",
+                flush=True,
+            )
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    return EXIT_CLEAN if all(r["found"] for r in rows) else EXIT_FOUND
