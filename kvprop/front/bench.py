@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -87,7 +88,7 @@ def _progress(text: str) -> None:
 
 def throughput(quick: bool) -> list[dict]:
     seconds, examples = (2.0, 40) if quick else (8.0, 150)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, measure in (
         ("walk, all checks", lambda: _walk_rate(seconds, True)),
         ("walk, checks off", lambda: _walk_rate(seconds, False)),
@@ -120,7 +121,7 @@ def supervision(quick: bool) -> list[dict]:
     start = time.perf_counter()
     result = fuzz.search(fuzz.FuzzOptions(seconds=3600, workers=1, seed=0, max_runs=runs))
     supervised = time.perf_counter() - start
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"where": "this process", "walks": runs, "steps": steps, "seconds": round(in_process, 2)},
         {"where": "supervised worker", "walks": result.runs, "steps": result.steps, "seconds": round(supervised, 2)},
     ]
@@ -131,7 +132,7 @@ def supervision(quick: bool) -> list[dict]:
 
 
 # The scaling rows' model shapes: groups and connector (a state group takes no synchronous one).
-SHAPES = {
+SHAPES: dict[str, tuple[tuple, dict[str, Any]]] = {
     "fa+swa": ((FullAttention(4), SlidingWindow(4, 16)), {"connector": "sync"}),
     "fa+mamba": ((FullAttention(4), Mamba(4)), {}),
 }
@@ -264,7 +265,9 @@ def _fresh_directory():
 
 def _find_row(variant: str, driver: str, seeds, cap: float) -> dict:
     """One variant found from scratch by one driver over ``seeds``, each search capped at ``cap`` s."""
-    secs, steps, shrunk = [], [], []
+    secs: list[float] = []
+    steps: list[int] = []
+    shrunk: list[int] = []
     for seed in seeds:
         _progress(f"time to find: {variant}, {driver}, seed {seed}")
         with _fresh_directory():  # an empty Hypothesis example database for every search
@@ -274,6 +277,7 @@ def _find_row(variant: str, driver: str, seeds, cap: float) -> dict:
         if result.found is None:
             continue
         best = minimise(result.found, variant=variant)
+        assert result.seconds_to_find is not None  # a search that found says when
         secs.append(result.seconds_to_find)
         steps.append(result.steps)
         shrunk.append(trace_length(best))
@@ -303,13 +307,21 @@ def time_to_find(quick: bool) -> list[dict]:
 CROSS_GROUP = "interleaved-external-alloc"  # the motivating bug: the targets table's time-to-find rows
 
 
-def _rate(rows, driver) -> float | None:
-    return next((r["steps_per_s"] for r in rows if r["driver"] == driver), None)
+def _rate(rows, driver) -> float:
+    """The throughput row of ``driver``; a table without it (a baseline from elsewhere) is refused."""
+    for r in rows:
+        if r["driver"] == driver:
+            return r["steps_per_s"]
+    raise ConfigError(f"the throughput table has no row for {driver!r}")
 
 
-def _cell(rows, blocks, live, tokens="share", shape="fa+swa") -> dict | None:
+def _cell(rows, blocks, live, tokens="share", shape="fa+swa") -> dict:
+    """The scaling row of that shape; a table without it (a baseline from elsewhere) is refused."""
     want = (shape, blocks, live, tokens)
-    return next((r for r in rows if (r["groups"], r["blocks"], r["live_requests"], r["tokens"]) == want), None)
+    for r in rows:
+        if (r["groups"], r["blocks"], r["live_requests"], r["tokens"]) == want:
+            return r
+    raise ConfigError(f"the scaling table has no row for {want}")
 
 
 def targets(quick: bool, result: dict) -> list[dict]:
@@ -386,9 +398,7 @@ def load_baseline(path: str) -> dict:
 
 def with_baseline(rows: list[dict], baseline: dict) -> list[dict]:
     """Each targets row with the baseline's value for the same measure beside its own."""
-    return [
-        {"measure": r["measure"], "before": baseline.get(r["measure"], "not measured"), **r} for r in rows
-    ]
+    return [{"measure": r["measure"], "before": baseline.get(r["measure"], "not measured"), **r} for r in rows]
 
 
 PARTS = ("throughput", "supervision", "scaling", "time_to_find", "vllm", "targets")

@@ -125,7 +125,9 @@ def scope(target: str | None) -> Scope:
 # Imported untraced before measuring starts, so that the budget goes to walks, not to imports under
 # the tracer: what the walks need and nothing measured (none of these imports a measured module; were
 # one to, the report would name it under ``imported_before``).
-WARM = {"vllm": ("vllm", "vllm.sampling_params", "vllm.v1.kv_cache_interface", "vllm.v1.core.kv_cache_utils")}
+WARM: dict[str, tuple[str, ...]] = {
+    "vllm": ("vllm", "vllm.sampling_params", "vllm.v1.kv_cache_interface", "vllm.v1.core.kv_cache_utils")
+}
 WARM["vllm-scheduler"] = (*WARM["vllm"], "vllm.config")
 
 
