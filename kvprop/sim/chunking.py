@@ -11,19 +11,27 @@ group a chunk is what the budget allows.
 from __future__ import annotations
 
 from kvprop.allocator.checkpoint import checkpoint_position, saves_checkpoint
+from kvprop.allocator.specs import EngineConfig, GroupSpec, Mamba
 
 
 class ChunkRules:
     """Scheduler mixin: ``_chunk`` and what it asks."""
+
+    # what it reads of the engine it is mixed into (set by ``Engine.__init__``)
+    config: EngineConfig
+    specs: tuple[GroupSpec, ...]
+    state_groups: frozenset[int]
+    block_size: int
 
     # Whether a final chunk saving the prefill's checkpoint may run past the next block boundary
     # when it starts inside a block (vLLM 0.33.0's scheduler; ``_chunk``). kvprop's never does.
     checkpoint_skips_block_stop = False
 
     def _init_chunking(self) -> None:
-        self.state_aligned = any(self.specs[g].mode == "align" for g in self.state_groups)
+        state_specs = [spec for spec in self.specs if isinstance(spec, Mamba)]  # the state groups'
+        self.state_aligned = any(spec.mode == "align" for spec in state_specs)
         # the state groups' prefill-checkpoint alignment (AllocatorConfig requires them all alike)
-        self.checkpoint_alignment = next((self.specs[g].checkpoint for g in self.state_groups), None)
+        self.checkpoint_alignment = next((spec.checkpoint for spec in state_specs), None)
 
     def _chunk(self, request, start: int, num_tokens: int) -> int:
         """Tokens to compute from ``start``: ``num_tokens``, cut so that a prefill chunk of a state

@@ -15,6 +15,7 @@ from __future__ import annotations
 from kvprop.allocator.specs import EngineConfig, Mamba
 from kvprop.capabilities import EVERY, Capabilities
 from kvprop.sim.connector import Connector
+from kvprop.sim.hooks import Hooks
 from kvprop.sim.misuse import MISUSES, BuggyCaller
 from kvprop.sim.scheduler import (
     EV_ABORT_LOAD,
@@ -49,48 +50,6 @@ __all__ = [
     "Hooks",
     "StepReport",
 ]
-
-
-class Hooks:
-    """Where a harness checks state inside a step; the default checks nothing."""
-
-    def before_allocation(self, engine, request, num_new_tokens: int, kwargs: dict):
-        return None
-
-    def allocation_crashed(self, engine, request, token) -> None:
-        """allocate_slots raised (the TargetCrash propagates after this returns)."""
-
-    def after_hit(self, engine, request, hits, num_hit: int) -> None:
-        """get_computed_blocks answered ``request`` at admission."""
-
-    def before_misuse(self, engine, call: str, request):
-        return None
-
-    def after_misuse(self, engine, call: str, request, token, raised, contract: str) -> None:
-        """A malformed call was made; ``raised`` is what the target raised (None: it accepted)."""
-
-    def after_allocation(self, engine, request, token, result, computed: int) -> None:
-        pass
-
-    def after_free(self, engine, request) -> None:
-        pass
-
-    def at_handoff(self, engine, request, tables, num_local: int, num_external: int) -> None:
-        """The blocks allocated for external tokens are about to be handed to the connector."""
-
-    def before_load_write(self, engine, request, block_ids) -> None:
-        """An asynchronous load is about to write ``block_ids`` ((group, block id) pairs)."""
-
-    def before_write(self, engine, request, group: int, table, start: int, num_tokens: int) -> None:
-        """``request`` is about to compute positions [start, start + num_tokens) of ``group`` into ``table``."""
-
-    def before_state_write(self, engine, request, group: int, source, start: int, targets) -> None:
-        """``request`` is about to advance state group ``group`` from the state after ``start``
-        tokens, in block ``source`` (None: from nothing), writing each ``(block, index, n)`` of
-        ``targets``: the state after ``n`` tokens into the block at table index ``index``."""
-
-    def step_starts(self, engine) -> None:
-        """A step begins: nothing of it has been allocated or computed yet."""
 
 
 class Engine(Scheduler, Worker, BuggyCaller):

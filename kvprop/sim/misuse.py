@@ -11,7 +11,14 @@ they were: the mistake is the caller's, not a step.
 
 from __future__ import annotations
 
+from collections import deque
+from typing import Any
+
+from kvprop.capabilities import Capabilities
 from kvprop.errors import TargetCrash
+from kvprop.sim.hooks import Hooks
+from kvprop.sim.request import Request
+from kvprop.sim.target_calls import TargetCalls
 
 MISUSES = (
     "negative-external",
@@ -26,6 +33,18 @@ MISUSES = (
 
 class BuggyCaller:
     """Engine mixin: one malformed call of ``MISUSES`` at a time, for a request that suits it."""
+
+    # what it reads of the engine it is mixed into (set by ``Engine.__init__``)
+    allocator: Any  # the target's allocator (a layer above the engine): only its caller_contract is read
+    capabilities: Capabilities
+    boundary: TargetCalls
+    block_size: int
+    hooks: Hooks
+    # the scheduler's records (kvprop.sim.scheduler): the requests a malformed call is made for
+    waiting: deque[Request]
+    running: list[Request]
+    retired: deque[Request]
+    last_hits: tuple | None
 
     def misuse(self, call: str, index: int) -> str:
         """Make one malformed call of ``MISUSES`` the way a buggy scheduler would, if the target's

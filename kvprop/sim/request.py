@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 from kvprop.allocator.hashing import ROOT_HASH, hash_block, prefix_hash
 
@@ -50,7 +51,16 @@ class Request:
         "spec_prefix",
     )
 
-    def __init__(self, request_id, prompt, max_new_tokens, block_size, vocab, registry=None, unit=None):
+    def __init__(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        block_size: int,
+        vocab: int,
+        registry: dict[int, tuple] | None = None,
+        unit: int | None = None,
+    ) -> None:
         self.request_id = request_id
         self.tokens: list[int] = []
         self.num_prompt_tokens = len(prompt)

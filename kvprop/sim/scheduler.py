@@ -10,20 +10,26 @@ load's completion) and the room kept for loads in flight; where a state group's
 prefill chunk may end is ``kvprop.sim.chunking``'s. ``release`` is the seam where a
 request's blocks go back, which a scheduler target and the canary take over.
 
-It reads the engine's ``config``, ``allocator``, ``capabilities``, ``boundary``, ``view``,
-``specs``, ``state_groups``, ``block_size``, ``hooks`` and ``connector``.
+What it reads of the engine it is mixed into is declared at the top of ``Scheduler`` and
+``ChunkRules``: the engine's own attributes and the worker's calls it makes.
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 
 from kvprop.allocator.specs import Mamba, cdiv
+from kvprop.capabilities import Capabilities
 from kvprop.errors import RequestError, TargetCrash
 from kvprop.sim.chunking import ChunkRules
+from kvprop.sim.connector import Connector
+from kvprop.sim.hooks import Hooks
 from kvprop.sim.request import Request, Status
+from kvprop.sim.target_calls import TargetCalls
 
 EVENTS = (
     "cross-group hit + external tokens, hit block at free-queue head",
@@ -53,6 +59,17 @@ class StepReport:
 
 class Scheduler(ChunkRules):
     """Engine mixin: the requests, their queues and each step's scheduling."""
+
+    # what it reads of the engine it is mixed into, beyond ChunkRules' (set by ``Engine.__init__``)
+    capabilities: Capabilities
+    boundary: TargetCalls
+    view: Any  # the target's view (kvprop.targets.protocol.View, a layer above the engine)
+    hooks: Hooks
+    connector: Connector | None
+    # the worker's calls it makes (kvprop.sim.worker)
+    _execute: Callable[[StepReport], None]
+    _forget_states: Callable[[str], None]
+    _settle_states: Callable[[Request, int], None]
 
     # What an engine whose own scheduler is in charge may not do, as the drivers ask it
     # (kvprop.targets.vllm.scheduler says why for vLLM's): preempt when asked, fail a load.
@@ -218,10 +235,12 @@ class Scheduler(ChunkRules):
         request = self.loading.get(request_id)
         if request is None:
             raise RequestError(f"finish_load: no load in flight for {request_id!r}; in flight: {sorted(self.loading)}")
-        load = self.connector.pending[request_id]
+        connector = self.connector
+        assert connector is not None  # a load in flight is one the connector started
+        load = connector.pending[request_id]
         if ok:
             self.hooks.before_load_write(self, request, load.block_ids)
-        self.connector.finish_load(request_id, ok)
+        connector.finish_load(request_id, ok)
         del self.loading[request_id]
         if request.status is Status.ABORTING:
             self.release(request)
@@ -311,10 +330,10 @@ class Scheduler(ChunkRules):
             self.hooks.after_hit(self, request, hits, num_hit)
             if num_hit:
                 self.last_hits = (request.request_id, hits, num_hit)
-            ext = 0
+            ext, load_async = 0, False
             if self.connector is not None and not request.load_failed:
                 ext = self.connector.num_new_matched_tokens(request, num_hit)
-            load_async = ext > 0 and self.connector.mode == "async"
+                load_async = ext > 0 and self.connector.mode == "async"
             if self._batch_full() and not load_async:
                 break  # vLLM's loads_only: a full batch still starts asynchronous loads
             remaining = min(request.num_tokens - num_hit - ext, budget)
@@ -341,6 +360,7 @@ class Scheduler(ChunkRules):
             self.admitted_at[request.request_id] = self.admissions
             request.num_computed_tokens = num_hit
             if ext > 0:
+                assert self.connector is not None  # external tokens are the connector's offer
                 tables = self.boundary.get_block_ids(request.request_id)
                 self.hooks.at_handoff(self, request, tables, num_hit, ext)
                 self.connector.start_load(request, self.view.null_block_id, tables, num_hit, ext)

@@ -9,22 +9,37 @@ state after the computed tokens is in) and hands cached blocks' contents to the 
 tier. It decides nothing about requests: the scheduler (``kvprop.sim.scheduler``) chose what
 runs, and the hooks see every block before it is written.
 
-It reads the engine's ``config``, ``specs``, ``state_groups``, ``block_size``, ``boundary``,
-``view``, ``hooks``, ``connector`` and ``requests``.
+What it reads of the engine it is mixed into is declared at the top of ``Worker``.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvprop.allocator.checkpoint import chunk_checkpoint
 from kvprop.allocator.hashing import fingerprint, state_fingerprint
-from kvprop.allocator.specs import cdiv
+from kvprop.allocator.specs import EngineConfig, GroupSpec, Mamba, cdiv
+from kvprop.sim.connector import Connector
+from kvprop.sim.hooks import Hooks
 from kvprop.sim.memory import PagedMemory
 from kvprop.sim.request import Request
 from kvprop.sim.scheduler import StepReport
+from kvprop.sim.target_calls import TargetCalls
 
 
 class Worker:
     """Engine mixin: a step's copies and writes on paged memory, and the state groups' columns."""
+
+    # what it reads of the engine it is mixed into (set by ``Engine.__init__``)
+    config: EngineConfig
+    specs: tuple[GroupSpec, ...]
+    state_groups: frozenset[int]
+    block_size: int
+    boundary: TargetCalls
+    view: Any  # the target's view (kvprop.targets.protocol.View, a layer above the engine)
+    hooks: Hooks
+    connector: Connector | None
+    requests: dict[str, Request]  # the scheduler's records (kvprop.sim.scheduler)
 
     def _init_worker(self, num_blocks: int, device: str | None) -> None:
         self.memory = PagedMemory(num_blocks, self.block_size, device)
@@ -55,7 +70,9 @@ class Worker:
     def _write_scheduled(self, report: StepReport) -> None:
         """Write every newly computed position (one scatter), after the hook has seen each target block."""
         bs = self.block_size
-        slots, values, offload = [], [], []
+        slots: list[int] = []
+        values: list[int] = []
+        offload: list[tuple[int, int, int]] = []  # (block hash, group, block id) for the tier
         for rid, n in report.scheduled.items():
             request = self.requests[rid]
             start = request.num_computed_tokens
@@ -80,7 +97,17 @@ class Worker:
         if self.connector is not None:
             self.connector.offload(offload)
 
-    def _write_states(self, request: Request, g: int, table, start: int, n: int, slots, values, offload) -> None:
+    def _write_states(
+        self,
+        request: Request,
+        g: int,
+        table: list[int],
+        start: int,
+        n: int,
+        slots: list[int],
+        values: list[int],
+        offload: list[tuple[int, int, int]],
+    ) -> None:
         """A state group's writes for positions [start, start + n): from the state after
         ``start``, the state after the last scheduled token into the running column
         ``cdiv(start + n, bs) - 1``; in a verification pass with d drafts, the states after the
@@ -93,7 +120,9 @@ class Worker:
         drafts = max(0, start + n - request.num_tokens)
         column = cdiv(start + n, bs) - 1
         targets = [(worker[column + j], column + j, start + n - drafts + j) for j in range(drafts + 1)]
-        position = chunk_checkpoint(start, start + n, self.config.allocator.unit, bs, self.specs[g].checkpoint)
+        spec = self.specs[g]
+        assert isinstance(spec, Mamba)  # g is a state group
+        position = chunk_checkpoint(start, start + n, self.config.allocator.unit, bs, spec.checkpoint)
         if position and worker[column - 1] != self.view.null_block_id:
             # the worker's own rule (compute_mamba_prefill_checkpoints): the state after
             # ``position`` into the column before the running state, written after it (as
@@ -108,7 +137,7 @@ class Worker:
                 offload.append(entry)
         self.state_columns[key] = (column, drafts)  # the offset is settled by the verification
 
-    def _boundary_state(self, g: int, block: int, index: int, after: int):
+    def _boundary_state(self, g: int, block: int, index: int, after: int) -> tuple[int, int, int] | None:
         """The tier entry (block hash, group, block) of a state written at its block's boundary into
         a cached block, or None: vLLM 0.30.0 on hands such boundary states to the connector
         (``take_boundary_state_offloads``)."""
@@ -151,6 +180,7 @@ class Worker:
                     self.memory.copy(source * bs, worker[dest] * bs)
                     entry = self._boundary_state(g, worker[dest], dest, boundary)
                     if entry is not None:
+                        assert self.connector is not None  # only a connector's tier takes an entry
                         self.connector.offload([entry])
                 if dest == column:
                     offset = 0
