@@ -6,6 +6,8 @@ in what counts as a cache hit; allocation, caching and freeing are shared.
 
 from __future__ import annotations
 
+from typing import cast
+
 from kvprop.allocator import guards
 from kvprop.allocator.block_pool import Block, BlockPool
 from kvprop.allocator.retention import kept_block_mask, resume_boundaries
@@ -91,9 +93,8 @@ class SingleTypeManager:
         plus the copy of a shared tail block when the hit ends inside it. ``prefill_end`` matters
         to state groups only (their prefill checkpoints)."""
         required = cdiv(num_tokens, self.block_size)
-        table = self.req_to_blocks.get(request_id)
-        if request_id in self.num_cached_block:
-            return max(0, required - len(table))
+        if request_id in self.num_cached_block:  # registered: its table is there too
+            return max(0, required - len(self.req_to_blocks[request_id]))
         num_skipped = self.skipped_tokens(total_computed_tokens) // self.block_size
         kept = hits[num_skipped:]
         evictable = sum(1 for b in kept if b.ref_cnt == 0 and not b.is_null)
@@ -307,9 +308,9 @@ class SlidingWindowManager(SingleTypeManager):
                 continue
             found[i] = block
             run += 1
-            if run >= need:
-                return [self.null_block] * i + found[i : i + run]
-        return found[:run]
+            if run >= need:  # found[i : i + run] is the run: every entry of it was found
+                return [self.null_block] * i + cast("list[Block]", found[i : i + run])
+        return cast("list[Block]", found[:run])  # the run from block 0, every entry found
 
 
 class ChunkedLocalManager(SingleTypeManager):

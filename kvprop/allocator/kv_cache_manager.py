@@ -69,11 +69,13 @@ class KVCacheManager:
         """The full report: every key the hit reuses, announced again (vLLM's
         ``emit_cached_block_events``), one per real hit block, the key that made it the
         request's own."""
+        events = self.pool.events
+        assert events is not None  # AllocatorConfig: the full report needs enable_kv_cache_events
         for g, group_hits in enumerate(hits):
             for i, block in enumerate(group_hits):
                 if not block.is_null:
                     own = request.keys_in_block(i, g)
-                    self.pool.events.extend(Reannounced(key) for key in self.pool.keys_of(block) if key in own)
+                    events.extend(Reannounced(key) for key in self.pool.keys_of(block) if key in own)
 
     def allocate_slots(
         self,
