@@ -21,7 +21,9 @@ from kvprop.sim.request import Status
 def check_data(engine, view, tables, keys, memo: dict) -> None:
     """Every computed position of a running request reads back its fingerprint; every cached
     block holds the data of the prefix its hash names; the null block is never written."""
-    slots, expected, origin = [], [], Origins()
+    slots: list[int] = []
+    expected: list[int] = []
+    origin = Origins()
     _expect_computed(engine, view, lambda rid, g: tables[(rid, g)], slots, expected, origin)
     cached = [(b, k) for b, k in enumerate(keys) if k is not None]
     cached += [(b, k) for b, extra in extra_keys(view).items() for k in extra]
@@ -134,7 +136,7 @@ class Origins:
     """What each expected slot is ((who, group, position, block)), kept as runs and spelled
     out only when a report needs one: most checks find nothing wrong."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.runs: list = []  # (length, function of the offset in the run)
 
     def append(self, entry: tuple) -> None:

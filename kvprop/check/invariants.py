@@ -183,7 +183,9 @@ def map_entry(block_id: int, map_key, block_key, further=()) -> None:
 
 def check_blocks(view, tables, ref_cnts, keys) -> None:
     """1-4 for every block, from every table."""
-    holders, groups_of, who = Counter(), defaultdict(set), defaultdict(set)
+    holders: Counter[int] = Counter()
+    groups_of: defaultdict[int, set[int]] = defaultdict(set)
+    who: defaultdict[int, set[str]] = defaultdict(set)
     for (rid, g), table in tables.items():
         table_without_repeats(rid, g, table, view.null_block_id)
         for block_id in table:
@@ -398,7 +400,7 @@ def check_tables(
                 cached_count_covers(rid, g, table, hashes, keys, num_cached, null)
                 cached_prefix_keys(rid, g, spec, interval, request, table, keys, num_cached, null, eagle)
                 if verified is not None:
-                    nulls_from = len(table) if state else needed.start
+                    nulls_from = len(table) if state else skipped_blocks  # the start of ``needed``
                     verified[(rid, g)] = TableVerdict(table, request, num_cached, boundary, nulls_from, covered)
                 continue
             # the prefix and what was covered stand: only indices the hashes reached since

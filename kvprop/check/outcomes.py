@@ -27,7 +27,7 @@ def snapshot(view, request_id: str):
 def refusal_tables(view, request_id: str, tables_before, tables_after) -> Counter:
     """8. A refused allocation leaves the request's tables as they were, but for skipped blocks
     its window freed (now the null block). Returns how often each block was freed that way."""
-    freed = Counter()
+    freed: Counter[int] = Counter()
     for g, (old, new) in enumerate(zip(tables_before, tables_after)):
         if old is None and new is None:
             continue
