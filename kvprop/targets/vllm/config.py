@@ -346,6 +346,14 @@ def build_scheduler(config: EngineConfig):
             ],
             **retention.get("field", {}),
         )
+        # The engine's own start-up check between sizing the KV cache and building the scheduler
+        # (EngineCore._initialize_kv_caches: 0.24.0 v1/engine/core.py:318): before 0.30.0 it
+        # refuses a state group in mode "align" whose block is wider than the token budget (PR #34445)
+        cache.block_size = bs
+        try:
+            vllm_config.validate_block_size()
+        except AssertionError as e:
+            raise ConfigError(f"target 'vllm-scheduler': vLLM {v.version} refuses to start with {config}: {e}") from e
         units = {}
         if alloc.partial_hits:
             # what the engine passes from prefix_match_unit (resolve_kv_cache_block_sizes, 0.30.0 on);
