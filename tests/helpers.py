@@ -192,4 +192,11 @@ def report_find(name: str, target=None) -> Trace:
 
 
 def add_op(parent, cut, extra, max_new_tokens) -> dict:
-    return {"op": "AddRequest", "parent": parent, "cut": cut, "extra": extra, "seed": 0, "max_new_tokens": max_new_tokens}
+    return {
+        "op": "AddRequest",
+        "parent": parent,
+        "cut": cut,
+        "extra": extra,
+        "seed": 0,
+        "max_new_tokens": max_new_tokens,
+    }

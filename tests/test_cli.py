@@ -248,7 +248,12 @@ def test_bench_with_a_bad_baseline_exits_2_before_measuring(tmp_path, content, s
     if content is not None:
         path.write_text(content)
     r = kvprop("bench", "--baseline", str(path), "targets", cwd=ROOT)
-    assert (r.returncode, says in r.stderr, "Traceback" in r.stderr, "measuring" in r.stderr) == (2, True, False, False), r.stderr
+    assert (r.returncode, says in r.stderr, "Traceback" in r.stderr, "measuring" in r.stderr) == (
+        2,
+        True,
+        False,
+        False,
+    ), r.stderr
 
 
 def test_bench_baseline_needs_the_targets_part(tmp_path):

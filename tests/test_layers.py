@@ -93,8 +93,7 @@ def import_graph() -> dict[str, set[str]]:
         return imported or None
 
     return {
-        name: {m for i in imports_of(path) if (m := module_of(i)) is not None and m != name}
-        for name, path in modules()
+        name: {m for i in imports_of(path) if (m := module_of(i)) is not None and m != name} for name, path in modules()
     }
 
 
@@ -106,7 +105,9 @@ def test_no_modules_import_each_other_in_a_circle():
         state[node] = 1
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                circles.append(" -> ".join(path[path.index(nxt) :] + [node, nxt]) if nxt in path else f"{node} -> {nxt}")
+                circles.append(
+                    " -> ".join(path[path.index(nxt) :] + [node, nxt]) if nxt in path else f"{node} -> {nxt}"
+                )
             elif nxt not in state:
                 visit(nxt, [*path, node])
         state[node] = 2

@@ -28,7 +28,10 @@ def test_a_full_batch_admits_no_request():
     eng = engine([FullAttention(4)], 20, hooks=checker, token_budget=64, max_num_seqs=1)
     first, second = eng.add_request(list(range(6)), 3), eng.add_request(list(range(50, 56)), 3)
     report = step(eng, checker)
-    assert (report.admitted, [r.status for r in (first, second)]) == ([first.request_id], [Status.RUNNING, Status.WAITING])
+    assert (report.admitted, [r.status for r in (first, second)]) == (
+        [first.request_id],
+        [Status.RUNNING, Status.WAITING],
+    )
 
 
 def test_the_next_request_joins_when_one_finishes():

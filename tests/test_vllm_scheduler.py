@@ -208,7 +208,14 @@ def scheduler_trace(groups, num_blocks, token_budget, connector, steps, drafts=0
 
 
 def add(parent, cut, extra, max_new_tokens):
-    return {"op": "AddRequest", "parent": parent, "cut": cut, "extra": extra, "seed": 0, "max_new_tokens": max_new_tokens}
+    return {
+        "op": "AddRequest",
+        "parent": parent,
+        "cut": cut,
+        "extra": extra,
+        "seed": 0,
+        "max_new_tokens": max_new_tokens,
+    }
 
 
 LARGE = {"op": "AddLargeRequest", "parent": 0, "seed": 0}
@@ -417,7 +424,9 @@ def test_a_checkpoint_chunk_runs_past_the_block_its_hit_ends_inside_in_0_33():
     assert outcome(checkpoint_find("past-block", "vllm-scheduler")) == "data-mismatch"
 
 
-@pytest.mark.skipif(RELEASE < (0, 33), reason="0.30.0's hits inside a block follow other rules (the target refuses them)")
+@pytest.mark.skipif(
+    RELEASE < (0, 33), reason="0.30.0's hits inside a block follow other rules (the target refuses them)"
+)
 def test_a_hit_inside_a_block_keyed_in_the_same_step_copies_it_unwritten_in_0_33():
     """tests/test_same_step_copy.py's find: the copy runs before the forward pass computes its source."""
     assert outcome(tr.load(Path(__file__).parent / "data" / "copy-before-compute.json")) == "data-mismatch"

@@ -324,7 +324,10 @@ def test_walker_is_clean_on_the_fixed_release():
 @pytest.mark.skipif(RELEASE < (0, 30), reason="the full report is new in 0.30.0")
 def test_the_full_report_announces_positions_a_window_skipped_from_0_30():
     trace = report_find("skipped-positions")
-    assert [getattr(execute(trace, target=t), "kind", None) for t in ("vllm", None)] == ["events-reannounce-unheld", None]
+    assert [getattr(execute(trace, target=t), "kind", None) for t in ("vllm", None)] == [
+        "events-reannounce-unheld",
+        None,
+    ]
 
 
 @pytest.mark.skipif(RELEASE < (0, 33), reason="hits inside a block follow 0.33.0's rules from 0.33.0 only")
@@ -341,7 +344,9 @@ def test_a_checkpoint_overwrites_the_running_state_in_0_33():
     assert [getattr(execute(trace, target=t), "kind", None) for t in ("vllm", None)] == ["data-mismatch", None]
 
 
-@pytest.mark.skipif(RELEASE < (0, 33), reason="0.30.0's hits inside a block follow other rules (the target refuses them)")
+@pytest.mark.skipif(
+    RELEASE < (0, 33), reason="0.30.0's hits inside a block follow other rules (the target refuses them)"
+)
 def test_a_hit_inside_a_block_keyed_in_the_same_step_copies_it_unwritten_in_0_33():
     """docs/findings.md: the manager copies a block the forward pass has not yet computed."""
     trace = tr.load(Path(__file__).parent / "data" / "copy-before-compute.json")

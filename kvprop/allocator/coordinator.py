@@ -136,8 +136,7 @@ class KVCacheCoordinator:
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int | None = None):
         return tuple(
-            m.allocate_new_blocks(request_id, self._tokens(m, num_tokens, num_tokens_main_model))
-            for m in self.managers
+            m.allocate_new_blocks(request_id, self._tokens(m, num_tokens, num_tokens_main_model)) for m in self.managers
         )
 
     def new_step_starts(self) -> None:

@@ -327,4 +327,3 @@ class ChunkedLocalManager(SingleTypeManager):
                 break
             hits.append(block)
         return hits
-

@@ -310,9 +310,7 @@ class Supervisor:
 
     Use as a context manager; ``close`` ends the worker and removes its files."""
 
-    def __init__(
-        self, target=None, variant=None, device=None, call_timeout: float = CALL_TIMEOUT, fresh: bool = False
-    ):
+    def __init__(self, target=None, variant=None, device=None, call_timeout: float = CALL_TIMEOUT, fresh: bool = False):
         self.target, self.variant, self.device = target, variant, device
         self.call_timeout = call_timeout
         self.fresh = fresh  # the worker starts a new interpreter (spawn) instead of a fork of this one
