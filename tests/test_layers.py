@@ -116,3 +116,13 @@ def test_no_modules_import_each_other_in_a_circle():
         if node not in state:
             visit(node, [])
     assert circles == []
+
+
+def test_a_module_past_500_lines_says_why_at_its_top():
+    long = [name for name, path in modules() if len(path.read_text().splitlines()) > 500]
+    unexplained = [
+        name
+        for name, path in modules()
+        if name in long and "500 lines" not in (ast.get_docstring(ast.parse(path.read_text())) or "")
+    ]
+    assert unexplained == []

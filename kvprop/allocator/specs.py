@@ -2,6 +2,9 @@
 
 Every value is validated at construction so that a bad configuration fails where it is
 written, with a message that names the field and the allowed range.
+
+About 500 lines on purpose: every configuration option is declared here, once
+(``kvprop.allocator.options``), beside the rules that relate it to the others.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from kvprop.errors import RequestError, TargetCrash
 from kvprop.sim.chunking import ChunkRules
 from kvprop.sim.connector import Connector
 from kvprop.sim.hooks import Hooks
+from kvprop.sim.load_room import LoadRoom
 from kvprop.sim.request import Request, Status
 from kvprop.sim.target_calls import TargetCalls
 
@@ -57,7 +58,7 @@ class StepReport:
     copies: list = attrs.field(factory=list)  # (source block, copy) pairs the worker copies first
 
 
-class Scheduler(ChunkRules):
+class Scheduler(ChunkRules, LoadRoom):
     """Engine mixin: the requests, their queues and each step's scheduling."""
 
     # what it reads of the engine it is mixed into, beyond ChunkRules' (set by ``Engine.__init__``)
@@ -399,47 +400,6 @@ class Scheduler(ChunkRules):
         ``Scheduler.schedule``: ``num_running >= self.max_num_active_reqs``)."""
         cap = self.config.max_num_seqs
         return cap is not None and len(self.running) >= cap
-
-    def blocks_to_finish(self, request: Request) -> int:
-        """At most the blocks ``request`` still takes to hold its whole sequence: the entries its
-        tables lack (every entry counted as a new block, skipped or not)."""
-        held = sum(len(table) for table in self.boundary.get_block_ids(request.request_id))
-        return max(0, self.max_blocks_needed(request.num_tokens) - held)
-
-    @property
-    def draft_step_tokens(self) -> int:
-        """Slots one verification step takes past the sequence when drafts are on: the token
-        after it, the drafts and the lookahead (vLLM 0.33.0's ``num_spec_decode_tokens``)."""
-        k = self.config.speculative_tokens
-        return 1 + k + self.config.lookahead if k else 0
-
-    def draft_step_blocks(self) -> int:
-        """Blocks one verification step may take in every group but a state group's (which counts
-        its scratch columns already), kept back beside an async load's own need while a request
-        runs, so that it can still take its next step: without it a load and a decoding request
-        can preempt each other forever (two requests, each admitted with a load while the other
-        runs, each preempted one token from its end; a walker's find). vLLM
-        0.33.0 keeps them back always (``Scheduler._spec_decode_step_blocks``); with nothing
-        running, kvprop's engine does not, so that a load alone in the pool is always admitted
-        (``add_request`` takes only requests whose whole sequence fits)."""
-        if not self.running:
-            return 0
-        n = self.draft_step_tokens
-        return sum(cdiv(n, spec.block_size) for g, spec in enumerate(self.specs) if g not in self.state_groups)
-
-    def reserved_for_loads(self, request: Request) -> int:
-        """Blocks the other loads in flight or done still take to finish (vLLM's in-flight
-        reservation, ``Scheduler._inflight_prefill_reserved_blocks``, 0.24.0 on)."""
-        others = [*self.loading.values(), *self.loaded]
-        return sum(self.blocks_to_finish(r) for r in others if r is not request and r.status is not Status.ABORTING)
-
-    def _leaves_room_for_loads(self, request: Request, num_computed: int) -> bool:
-        """An asynchronous load is admitted only when, after it takes all it can, the pool still
-        holds what every other load takes to finish: a loading or loaded request holds its blocks
-        and cannot be preempted, so loads admitted beside each other could otherwise hold the
-        pool between them with none able to continue."""
-        takes = self.max_blocks_needed(num_computed)
-        return self.view.num_free_blocks - takes >= self.reserved_for_loads(request) + self.draft_step_blocks()
 
     def stall_signature(self, report: StepReport):
         """What a step that changed nothing leaves the same (None: the step did something). An

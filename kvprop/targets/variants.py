@@ -2,6 +2,9 @@
 
 Each is a small, honest change to one step, made by overriding exactly the method where
 the bug lived. The harness proves itself by finding each of them from scratch.
+
+Past 500 lines on purpose: every planted bug sits next to the registry entry that names it
+and the kind that catches it, so that a reader checks one against the other in one file.
 """
 
 from __future__ import annotations
