@@ -38,7 +38,7 @@ test: $(STAMP)
 # processes, searches from scratch) that CI runs.
 FAST_TESTS := $(addprefix tests/test_,block_pool coordinator managers mamba checkpoints partial_hits eagle \
 	speculative retention reference_scenarios engine events full_report same_step_copy incremental kinds \
-	regressions bad_input trace profiles layers protocol custom_target)
+	regressions bad_input trace profiles layers protocol custom_target max_num_seqs design_facts bench_doc process_words)
 FAST_TESTS := $(addsuffix .py,$(FAST_TESTS))
 
 test-fast: $(STAMP)
