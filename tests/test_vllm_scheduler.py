@@ -85,10 +85,10 @@ def known_kinds() -> set:
     kinds = set()
     if RELEASE < (0, 24):
         kinds.add("block-in-two-groups")
-    # in every release measured from 0.23.0: a failed load's lost reservation and a failed state
-    # load continued from the null block; in every one, a one-token prompt reloaded and a failed
-    # sliding-window load recomputed without its window
-    kinds |= {"liveness", "connector-handoff", "null-in-attended-range", "state-source-mismatch"}
+    # in every one, a one-token prompt reloaded (connector-handoff, or liveness without caching);
+    # to 0.30.0 a finished load behind a request that cannot fit, from 0.33.0 a speculative
+    # step's reservation, in 0.34.0 a failed load at the head of the block holders (liveness)
+    kinds |= {"liveness", "connector-handoff"}
     if (0, 24) <= RELEASE < (0, 30):
         kinds.add("data-mismatch")  # the deepest group's hit taken for all groups
     if RELEASE >= (0, 30):
@@ -182,7 +182,6 @@ def test_a_padded_decode_waits_forever_under_a_budget_below_one_plus_k():
 
 # ---- vLLM's offloading connector, scheduler side, with kvprop as its worker ------------------
 
-OLD_RELEASE = RELEASE < (0, 30)  # recovery from a failed load as 0.23.0 to 0.25.1 have it
 
 
 def full(bs):
@@ -436,20 +435,28 @@ def test_a_load_reserves_a_speculative_step_the_pool_cannot_spare_from_0_33():
     assert outcome(SPEC_STEP_RESERVATION) == ("liveness" if RELEASE >= (0, 33) else None)
 
 
-# From 0.34.0 the offloading connector's worker reports a failed load by its request
-# (``failed_recving``), and the scheduler recomputes the whole request instead of truncating at
-# the first invalid block (``_handle_failed_recving``); the block-level recovery these finds are
-# in is unchanged, for connectors that report invalid blocks, but the offloading connector no
-# longer reaches it.
-BLOCK_LEVEL_RECOVERY = RELEASE < (0, 34)
+# The offloading connector's worker fails no load before 0.34.0 (it asserts every transfer
+# succeeded) and reports one by its request from 0.34.0 (``failed_recving``; the scheduler then
+# recomputes the whole request, ``_handle_failed_recving``). Neither reaches the scheduler's
+# block-level recovery (``_update_requests_with_invalid_blocks``), which only connectors whose
+# workers report invalid blocks reach: these traces, found when kvprop's worker reported blocks
+# to the offloading connector's scheduler side, are inputs that pairing never receives.
+BLOCK_LEVEL_FINDS = ["LOST_RESERVATION", "NULL_IN_WINDOW", "NULL_IN_WINDOW_EVERYWHERE", "STATE_AFTER_FAILED_LOAD"]
+REPORTS_FAILED_LOADS = RELEASE >= (0, 34)
 
 
-def test_a_failed_load_keeps_its_reservation_from_0_23_to_0_33():
-    """0.23.0 introduced the reservation for loads in flight (``_inflight_prefills``)."""
-    assert outcome(LOST_RESERVATION) == ("liveness" if RELEASE >= (0, 23) and BLOCK_LEVEL_RECOVERY else None)
+@pytest.mark.parametrize("name", BLOCK_LEVEL_FINDS)
+def test_a_failed_load_through_the_offloading_connector_never_reaches_block_level_recovery(name):
+    trace = globals()[name]
+    if name == "STATE_AFTER_FAILED_LOAD" and RELEASE < (0, 23):
+        pytest.skip("0.22.1 takes no connector with a Mamba group (its scheduler asserts so)")
+    reached: set = set()
+    failure = execute(trace, target="vllm-scheduler", events=reached)
+    failed_before_0_34 = EV_LOAD_FAIL in reached and not REPORTS_FAILED_LOADS
+    assert (failure, failed_before_0_34) == (None, False)
 
 
-@pytest.mark.skipif(BLOCK_LEVEL_RECOVERY, reason="before 0.34.0 a failed load of several groups crashes the scheduler")
+@pytest.mark.skipif(not REPORTS_FAILED_LOADS, reason="before 0.34.0 the offloading worker fails no load")
 def test_failed_loads_of_models_with_several_groups_reach_the_scheduler_from_0_34():
     """Reported by request, a failed load no longer needs block ids unique across groups: the
     hybrid shapes' failed loads (those of the first 150 seeds the target runs) run, and
@@ -474,7 +481,7 @@ def test_a_failed_load_left_among_the_block_holders_starves_a_finished_load_in_0
     the queue of requests that hold blocks (``kv_holding_waiting``), which is always drained
     first and stops at the first request that cannot be allocated. r3 cannot be until r4, whose
     load finished behind it, runs and gives its blocks back; r4 is never reached. Before 0.34.0
-    the offloading connector reported no failed load of a model with several groups."""
+    the offloading worker fails no load."""
     trace = tr.load(Path(__file__).parent / "data" / "failed-load-among-block-holders.json")
     assert outcome(trace) == ("liveness" if RELEASE >= (0, 34) else None)
 
@@ -485,11 +492,12 @@ def under_the_fail_policy(trace):
 
 @pytest.mark.parametrize("name", ["LOST_RESERVATION", "NULL_IN_WINDOW", "NULL_IN_WINDOW_EVERYWHERE"])
 def test_a_failed_load_under_vllms_default_policy_ends_its_request_and_nothing_else(name):
-    """These finds are in the recovery of the "recompute" policy; vLLM's default, "fail", ends
-    the request instead (FINISHED_ERROR), and every check holds."""
+    """Under vLLM's default policy, "fail", a failed load ends its request (FINISHED_ERROR), and
+    every check holds."""
     assert outcome(under_the_fail_policy(globals()[name])) is None
 
 
+@pytest.mark.skipif(not REPORTS_FAILED_LOADS, reason="before 0.34.0 the offloading worker fails no load")
 def test_a_request_vllm_ends_for_a_failed_load_is_retired_as_failed():
     trace = under_the_fail_policy(LOST_RESERVATION)
     harness = Harness(trace.config, target="vllm-scheduler", device="cpu")
@@ -502,15 +510,6 @@ def test_a_request_vllm_ends_for_a_failed_load_is_retired_as_failed():
         {},
         1,
     )
-
-
-def test_a_failed_sliding_window_load_recomputes_without_its_window_before_0_30():
-    assert outcome(NULL_IN_WINDOW) == ("null-in-attended-range" if OLD_RELEASE else None)
-
-
-@pytest.mark.skipif(RELEASE < (0, 23), reason="0.22.1 takes no connector with a Mamba group (its scheduler asserts so)")
-def test_a_failed_state_load_continues_from_the_null_block_from_0_23_to_0_33():
-    assert outcome(STATE_AFTER_FAILED_LOAD) == ("state-source-mismatch" if BLOCK_LEVEL_RECOVERY else None)
 
 
 @pytest.mark.skipif(RELEASE < (0, 23), reason="0.22.1 takes no connector with a Mamba group (its scheduler asserts so)")
@@ -535,12 +534,6 @@ def test_a_state_block_wider_than_the_budget_advances_inside_the_block_from_0_30
 
 def test_a_loaded_request_waits_forever_behind_one_that_cannot_fit_before_0_33():
     assert outcome(LOADED_BEHIND_BLOCKED) == ("liveness" if RELEASE < (0, 33) else None)
-
-
-def test_a_failed_sliding_window_load_recomputes_without_its_window_up_to_0_33():
-    """The shape above passes from 0.30.0; this one does not: recovery still truncates at the first
-    invalid block without asking whether the window's blocks before it were ever loaded."""
-    assert outcome(NULL_IN_WINDOW_EVERYWHERE) == ("null-in-attended-range" if BLOCK_LEVEL_RECOVERY else None)
 
 
 @pytest.mark.skipif(RELEASE >= (0, 24), reason="the cross-group bug was fixed in 0.24.0")

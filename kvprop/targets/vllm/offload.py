@@ -72,7 +72,7 @@ class OffloadWorker:
 
     @staticmethod
     def _nothing_done() -> dict:
-        return {"jobs": set(), "recving": set(), "invalid": set(), "failed": set(), "failed_jobs": set()}
+        return {"jobs": set(), "recving": set(), "failed": set(), "failed_jobs": set()}
 
     def _start_transfers(self, meta) -> None:
         """Before the pass: flush the stores a reused block still owes, take the new loads (run at
@@ -110,11 +110,9 @@ class OffloadWorker:
                 slots.extend(range(block * bs, (block + 1) * bs))
                 values.extend(self.offloaded.get(cpu, [-1] * bs))
             self.memory.write(slots, values)
-        elif transfer.load and self.reports_failed_requests:
+        elif transfer.load:  # failed: only where the worker reports it (fails_loads)
             self.done["failed"].add(transfer.request_id)
             self.done["failed_jobs"].add(job_id)
-        elif transfer.load:
-            self.done["invalid"].update(block for _, block in transfer.gpu)
         else:
             for (_, block), cpu in zip(transfer.gpu, transfer.cpu, strict=True):
                 self.offloaded[cpu] = self.memory.row(block)
@@ -124,8 +122,8 @@ class OffloadWorker:
 
     def _connector_output(self):
         """What the worker reports: the jobs completed since the last output, the requests whose
-        loads finished, and the failed loads as the release's worker reports them: the blocks they
-        left invalid, or their requests and jobs (``reports_failed_requests``)."""
+        loads finished, and, from 0.34.0, the failed loads' requests and jobs; never invalid
+        blocks, which the offloading worker does not report in any release."""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 
         done, self.done = self.done, self._nothing_done()
@@ -135,7 +133,7 @@ class OffloadWorker:
             kv_connector_worker_meta=OffloadingWorkerMetadata(
                 completed_jobs=dict.fromkeys(done["jobs"], 1), **failures
             ),
-            invalid_block_ids=done["invalid"],
+            invalid_block_ids=set(),
             **({"failed_recving": done["failed"]} if self.reports_failed_requests else {}),
         )
 
@@ -147,24 +145,20 @@ class OffloadWorker:
         ``failed_recving`` as well as in ``finished_recving``; the scheduler then recomputes the
         whole request (``_handle_failed_recving``: computed count 0, its blocks freed) or ends
         it, by its policy, with any number of groups. Before, the worker asserted that every
-        transfer succeeded, and kvprop reports a failed load as the blocks it left invalid, as
-        connectors that report block-level failures do."""
+        transfer succeeded (``fails_loads``)."""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 
         return "failed_jobs" in inspect.signature(OffloadingWorkerMetadata).parameters
 
     @functools.cached_property
     def fails_loads(self) -> bool:
-        """Whether a failed load can be reported: by its request from 0.34.0, with any number of
-        groups (``reports_failed_requests``); before, vLLM's recovery for invalid blocks reads one
-        block table per request (``(req_block_ids,) = kv_cache_manager.get_block_ids(req_id)``
-        in ``Scheduler._update_requests_with_invalid_blocks``, marked TODO for hybrid models),
-        so with several groups any failed load crashes its scheduler (docs/findings.md). The release's
-        source is read as text to tell; nothing of it is run."""
-        if len(self.specs) == 1 or self.reports_failed_requests:
-            return True
-        source = inspect.getsource(type(self.scheduler)._update_requests_with_invalid_blocks)
-        return "(req_block_ids,) =" not in source
+        """Whether a load may fail: only where the release's offloading worker reports a failed
+        load, by its request, from 0.34.0 (``reports_failed_requests``). Before, the worker asserts
+        that every transfer succeeded (0.24.0 ``offloading/worker.py``: ``assert success``, "we
+        currently do not support job failures"), so a failed load is no input this connector's
+        scheduler side can receive: kvprop's worker fails none. The block-level recovery of
+        connectors whose workers report invalid blocks (NIXL and others) is not driven here."""
+        return self.reports_failed_requests
 
     def finish_load(self, request_id: str, ok: bool) -> None:
         """The worker's load for ``request_id`` completes (``ok``) or fails; vLLM hears of it with
