@@ -183,7 +183,6 @@ def test_a_padded_decode_waits_forever_under_a_budget_below_one_plus_k():
 # ---- vLLM's offloading connector, scheduler side, with kvprop as its worker ------------------
 
 
-
 def full(bs):
     return {"kind": "full", "block_size": bs}
 
