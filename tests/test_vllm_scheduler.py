@@ -7,7 +7,10 @@ Run inside an environment built by ``make vllm-env VLLM_VERSION=...``::
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import attrs
@@ -554,3 +557,15 @@ def test_the_shapes_it_declares_for_this_release_are_almost_never_refused():
     configs = [sample_config(RandomChooser(random.Random(seed)), shapes) for seed in range(1000)]
     refused = [why for config in configs if (why := scheduler_refusal(config)) is not None]
     assert len(refused) <= 50, refused[:3]
+
+
+def test_bisect_names_the_release_of_this_environment_affected_where_the_find_is():
+    """``kvprop bisect`` over this environment alone (its folder is the prefix plus the release):
+    the failed load left among the block holders is a find of 0.34.0 only."""
+    release = vllm.__version__
+    trace = Path(__file__).parent / "data" / "failed-load-among-block-holders.json"
+    args = ["bisect", str(trace), "--releases", f"{release}..{release}", "--envs", sys.prefix[: -len(release)]]
+    run = subprocess.run([sys.executable, "-m", "kvprop", *args, "--json"], capture_output=True, text=True, timeout=900)
+    result = json.loads(run.stdout)
+    expected = ([release], []) if RELEASE >= (0, 34) else ([], [release])
+    assert (result["affected"], result["passes"]) == expected, run.stderr

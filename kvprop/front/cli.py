@@ -113,6 +113,7 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvprop.front import bisect
     from kvprop.front import commands as c
     from kvprop.front import fuzz_command as fc
 
@@ -229,6 +230,18 @@ def build_parser() -> argparse.ArgumentParser:
     cov.add_argument("--html", default=None, metavar="DIR", help="also write coverage.py's HTML report into DIR")
     cov.add_argument("--out", default="counterexamples", help="where a target that dies or hangs is saved")
     target_args(cov, more="; 'vllm+vllm-scheduler' alternates walks between vLLM's two targets")
+
+    bi = command("bisect", bisect.cmd_bisect, "replay a find on every vLLM release in a range (exit 1: some affected)")
+    bi.add_argument("file")
+    bi.add_argument("--releases", required=True, metavar="FIRST..LAST", help="e.g. 0.22.1..0.34.0, both included")
+    bi.add_argument("--target", default=None, choices=("vllm", "vllm-scheduler"), help="default: the trace's target")
+    bi.add_argument(
+        "--envs",
+        default=".venv-vllm-",
+        metavar="PREFIX",
+        help="where each release's environment is, as a prefix of its folder (make vllm-env) (default: .venv-vllm-)",
+    )
+    bi.add_argument("--json", action="store_true", help="one JSON object instead of the table")
 
     ag = command("agree", c.cmd_agree, "walk kvprop's allocator and a target side by side (exit 1: they disagree)")
     ag.add_argument("--target", required=True, help="'vllm' or package.module:factory")
