@@ -180,6 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KIND[,KIND]",
         help="walk driver: finds of these already-triaged kinds are saved and counted, and the search goes on",
     )
+    f.add_argument(
+        "--triaged",
+        default=None,
+        metavar="FILE",
+        help="walk driver: finds whose signature (kind[:exception]@operation) this JSON file lists are saved and "
+        "counted, and the search goes on; a new bug of a triaged kind still ends it (e.g. findings/triaged.json)",
+    )
     target_args(f)
 
     r = command("replay", c.cmd_replay, "re-execute a trace step by step (exit 1 reproduces, 0 passes, 2 bad file)")

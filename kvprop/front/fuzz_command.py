@@ -22,6 +22,7 @@ from kvprop.front.commands import (
     say,
     supervisor_for,
 )
+from kvprop.search.signature import read_triaged, signature_of
 
 
 def cmd_fuzz(args) -> int:
@@ -32,8 +33,11 @@ def cmd_fuzz(args) -> int:
         args.seed = time.time_ns() % 1_000_000_007
     check_device(args.device)
     check_allocator(args.variant, args.target)
-    if args.known and args.driver != "walk":
-        raise ConfigError(f"--known keeps searching past a find, which only the walk driver does, not {args.driver!r}")
+    triaged = read_triaged(Path(args.triaged)) if args.triaged else frozenset()
+    if (args.known or triaged) and args.driver != "walk":
+        raise ConfigError(
+            f"--known and --triaged keep searching past a find, which only the walk driver does, not {args.driver!r}"
+        )
     out = counterexample.check_out(Path(args.out))
     args.logs = {}  # a find's trace -> where the target's output in its run is kept
     with supervisor_for(args, args.variant, args.target) as supervisor:
@@ -55,6 +59,7 @@ def cmd_fuzz(args) -> int:
         redis=args.redis,
         fresh=args.fresh,
         known=args.known,
+        triaged=triaged,
         call_timeout=args.call_timeout,
     )
     label = f"variant {args.variant}" if args.variant else f"target {args.target or 'kvprop'}"
@@ -69,7 +74,7 @@ def cmd_fuzz(args) -> int:
     def on_find(trace, log=None):
         name = counterexample.name_for(trace)
         saved[name] = counterexample.write_found(trace, out, name)
-        known = " (a known kind: the search goes on)" if trace.failure.kind in args.known else ""
+        known = " (triaged: the search goes on)" if fuzz.is_known(opts, trace) else ""
         say(args, f"found {trace.failure.kind} (seed {trace.seed}); saved {saved[name]}{known}")
         if log is not None:
             args.logs[trace] = counterexample.keep_log(Path(log), out, name)
@@ -143,8 +148,10 @@ def _clean(args, result, summary) -> int:
     missing = [e for e in EVENTS if e not in result.events]
     known = ""
     if result.known:
-        counts = ", ".join(f"{kind} {n:,}" for kind, n in sorted(result.known.items()))
-        known = f" but for finds of the known kinds ({counts}; saved under {args.out})"
+        counts = ", ".join(f"{key} {n:,}" for key, n in sorted(result.known.items()))
+        traces = sum(result.known.values())
+        distinct = f"{len(result.known)} distinct triaged findings ({traces:,} traces: {counts}"
+        known = f" but for {distinct}; saved under {args.out})"
     say(
         args,
         f"clean{known}: {result.runs:,} runs, {result.steps:,} steps in {result.seconds:.1f}s; "
@@ -185,6 +192,8 @@ def _write_find(args, result, out, summary, name, best, interrupted, supervisor)
     trace_path, test_path = counterexample.write(best, out, name)  # on disk before it runs again
     print_steps(best, supervisor, out=lambda s: say(args, s))
     say(args, f"\nwrote {trace_path}\nwrote {test_path}\nreplay: {replay_line(trace_path, best)}")
+    signature = signature_of(best)
+    say(args, f"signature: {signature.key} ({', '.join(signature.features)})")
     if not result.deterministic:
         say(args, "note: with several hypothesis workers, which find is reported depends on timing")
     summary["find"] = {
@@ -197,6 +206,7 @@ def _write_find(args, result, out, summary, name, best, interrupted, supervisor)
         "trace": str(trace_path),
         "test": str(test_path),
         "log": str(args.logs[found]) if found in args.logs else None,
+        "signature": signature.to_dict(),
     }
     _emit_json(args, summary, verdict="found")
     return EXIT_FOUND

@@ -21,7 +21,6 @@ import tempfile
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -32,8 +31,9 @@ from kvprop.search import CALL_TIMEOUT
 from kvprop.search import journal as jn
 from kvprop.search import supervisor as sv
 from kvprop.search import trace as tr
+from kvprop.search.signature import signature_of
+from kvprop.search.tally import Tally
 from kvprop.search.trace import Trace
-from kvprop.sim.engine import EVENTS
 
 REPORT_EVERY = 0.5
 STATUS_EVERY = 2.0
@@ -56,6 +56,7 @@ class FuzzOptions:
     canary: bool = False  # search with the canary fault on (kvprop.targets.canary)
     fresh: bool = False  # the Hypothesis driver neither reads nor writes its example database
     known: frozenset = frozenset()  # walk driver: finds of these kinds are kept and the search goes on
+    triaged: frozenset = frozenset()  # walk driver: so are finds of these signatures (kvprop.search.signature)
     call_timeout: float = CALL_TIMEOUT  # seconds a worker may go without progress before it is a target-hang
 
 
@@ -71,7 +72,7 @@ class FuzzResult:
     refused: dict = attrs.field(factory=dict)  # why the target refused configurations: reason -> count
     interrupted: bool = False
     deterministic: bool = True  # the reported find is the lowest (index, worker), whatever the timing
-    known: dict = attrs.field(factory=dict)  # finds of an already-triaged kind: kind -> count
+    known: dict = attrs.field(factory=dict)  # finds already triaged, which did not end the search: signature -> count
 
     @property
     def executed_runs(self) -> int:
@@ -118,14 +119,22 @@ def _walk_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: int, f
             out.put(("progress", runs, steps, events, refused))  # before any find, so it is counted
             runs, steps, events, refused, last = 0, 0, set(), Counter(), time.monotonic()
         if result.failure is not None:
-            found = tr.to_dict(attrs.evolve(result.trace, failure=result.failure))
+            trace = attrs.evolve(result.trace, failure=result.failure)
+            found = tr.to_dict(trace)
             log = _copy_log(files, index, i)
-            if result.failure.kind not in opts.known:
+            if not is_known(opts, trace):
                 out.put(("failure", i, index, found, log))
                 return
             out.put(("known", found, log))
         i += 1
     out.put(("progress", runs, steps, events, refused))
+
+
+def is_known(opts: FuzzOptions, trace: Trace) -> bool:
+    """Whether a find is one already triaged: of a kind ``--known`` names, or of a signature
+    ``--triaged`` lists (a new bug of a triaged kind still ends the search)."""
+    assert trace.failure is not None  # a find is a trace with its failure
+    return trace.failure.kind in opts.known or signature_of(trace).key in opts.triaged
 
 
 def _copy_log(files: Path, index: int, i: int) -> str | None:
@@ -309,7 +318,7 @@ def _search(opts: FuzzOptions, status, on_find, start: float, store, seen: int, 
 
     for i in range(opts.workers):
         spawn(i, 0)
-    tally = _Tally(on_find=on_find)
+    tally = Tally(on_find=on_find)
     shared = interrupted = False
     last_status = time.monotonic()
     try:
@@ -420,79 +429,9 @@ def _judge_workers(opts: FuzzOptions, workers: dict, tally, files: Path, out, sp
         log = sv.copy_log(files / f"w{index}.log", files, f"death-w{index}")
         walk = walk or 0
         assert found.failure is not None  # judge gives the run the death's failure
-        if found.failure.kind in opts.known and opts.driver == "walk":
+        if is_known(opts, found) and opts.driver == "walk":
             tally.known_find(found, None if log is None else str(log))
             tally.exited.discard(index)
             spawn(index, walk + 1)
         else:
             tally.take(found, elapsed, (walk, index), None if log is None else str(log))
-
-
-@attrs.define
-class _Tally:
-    """What the workers have reported: progress adds up; finds are kept by (index, worker)."""
-
-    on_find: Callable[[Trace, str | None], None] | None = None  # each find as it is taken, with its log
-    runs: int = 0
-    steps: int = 0
-    events: set = attrs.field(factory=set)
-    refused: Counter = attrs.field(factory=Counter)
-    finds: dict = attrs.field(factory=dict)  # (index, worker) -> Trace
-    known: Counter = attrs.field(factory=Counter)  # finds of a known kind, which do not end the search
-    found_at: float | None = None
-    crash: str | None = None
-    unusable: str | None = None
-    target_error: str | None = None
-    exited: set = attrs.field(factory=set)  # workers that said they end (the others died, if they ended)
-
-    @property
-    def found(self) -> bool:
-        return bool(self.finds)
-
-    @property
-    def best(self) -> tuple:
-        return min(self.finds)
-
-    def found_trace(self) -> Trace | None:
-        return self.finds[self.best] if self.finds else None
-
-    def take(self, trace: Trace, elapsed: float, where: tuple = (-1, -1), log: str | None = None) -> None:
-        self.finds[where] = trace
-        if self.found_at is None:
-            self.found_at = elapsed
-        if self.on_find is not None:
-            self.on_find(trace, log)
-
-    def known_find(self, trace: Trace, log: str | None) -> None:
-        assert trace.failure is not None  # a find is a trace with its failure
-        self.known[trace.failure.kind] += 1
-        if self.on_find is not None:
-            self.on_find(trace, log)
-
-    def absorb(self, msg, elapsed: float) -> None:
-        """Fold in one worker message."""
-        if msg[0] == "progress":
-            self.runs, self.steps = self.runs + msg[1], self.steps + msg[2]
-            self.events |= msg[3]
-            self.refused.update(msg[4])
-        elif msg[0] == "failure":
-            self.take(tr.from_dict(msg[3]), elapsed, (msg[1], msg[2]), msg[4])
-        elif msg[0] == "known":
-            self.known_find(tr.from_dict(msg[1]), msg[2])
-        elif msg[0] == "exit":
-            self.exited.add(msg[1])
-        elif msg[0] == "target-error":
-            self.target_error = self.target_error or msg[1]
-        elif msg[0] == "crash":
-            self.crash = self.crash or msg[1]
-        elif msg[0] == "unusable":
-            self.unusable = self.unusable or msg[1]
-
-    def status_line(self, elapsed: float) -> str:
-        rate = self.steps / elapsed if elapsed > 0 else 0.0
-        refused = f" | refused {sum(self.refused.values()):,}" if self.refused else ""
-        known = f" | known {sum(self.known.values()):,}" if self.known else ""
-        return (
-            f"[{elapsed:7.1f}s] runs {self.runs:,} | steps {self.steps:,} | {rate:,.0f} steps/s | "
-            f"failures {len(self.finds)}{known} | events {len(self.events & set(EVENTS))}/{len(EVENTS)}{refused}"
-        )
