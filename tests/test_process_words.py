@@ -9,7 +9,18 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKED = ("kvprop", "tests", "scripts", "bench", "examples", "findings", ".ci", "Makefile", "setup.cfg", "pyproject.toml")
+CHECKED = (
+    "kvprop",
+    "tests",
+    "scripts",
+    "bench",
+    "examples",
+    "findings",
+    ".ci",
+    "Makefile",
+    "setup.cfg",
+    "pyproject.toml",
+)
 CHECKED += ("constraints.txt", "conftest.py", "README.md", "docs")
 WORDS = re.compile(
     r"\bstop[ -]\d+\b|\bthis session\b|\bthe speed issue\b|\bsubmitted code\b|\bthis machine\b|/work/|/opt/wheels",
