@@ -30,7 +30,8 @@ PY="$DIR/bin/python"
 # kvprop is installed from this checkout, and its command starts (an entry point moved since
 # the install leaves a command that does not)
 kvprop_ok() {
-  [ -x "$PY" ] && [ "$("$PY" -c 'import kvprop, os; print(os.path.dirname(os.path.dirname(os.path.abspath(kvprop.__file__))))' 2>/dev/null)" = "$REPO" ] \
+  # (run from / so that a checkout in the working directory does not stand in for the install)
+  [ -x "$PY" ] && [ "$(cd / && "$PY" -c 'import kvprop, os; print(os.path.dirname(os.path.dirname(os.path.abspath(kvprop.__file__))))' 2>/dev/null)" = "$REPO" ] \
     && "$DIR/bin/kvprop" --version >/dev/null 2>&1
 }
 
