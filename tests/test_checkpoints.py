@@ -120,7 +120,7 @@ def test_the_worker_writes_the_state_at_the_checkpoint_into_its_column():
     eng = build_kvprop_engine(hybrid(1), device="cpu")
     request = eng.add_request(list(range(11)), 2)
     eng.step()
-    column = eng.boundary.get_block_ids(request.request_id)[1][1]
+    column = eng.target_calls.get_block_ids(request.request_id)[1][1]
     expected = state_fingerprint(1, 10, request.prefix_at(9))
     assert eng.memory.read([column * BS]) == [expected]
 

@@ -666,7 +666,7 @@ def _state_engine():
 
 def test_a_state_overwritten_between_steps_is_state_source_mismatch():
     eng, _ = _state_engine()
-    running = eng.boundary.get_block_ids("r0")[1][0]
+    running = eng.target_calls.get_block_ids("r0")[1][0]
     eng.memory.write([running * 4], [12345])
     with pytest.raises(Violation) as info:
         eng.step()

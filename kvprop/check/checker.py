@@ -217,7 +217,9 @@ class Checker(Hooks):
 
     def before_load_write(self, engine, request, block_ids) -> None:
         if self.enabled:
-            moments.load_write_owned(engine.view, request, engine.boundary.get_block_ids(request.request_id), block_ids)
+            moments.load_write_owned(
+                engine.view, request, engine.target_calls.get_block_ids(request.request_id), block_ids
+            )
 
     def before_state_write(self, engine, request, group: int, source, start: int, targets) -> None:
         if self.enabled:

@@ -48,7 +48,7 @@ def snapshot(harness: Harness, capabilities) -> dict:
     declaration) lets both sides report."""
     engine = harness.engine
     parts = {
-        "tables": {rid: engine.boundary.get_block_ids(rid) for rid in engine.requests},
+        "tables": {rid: engine.target_calls.get_block_ids(rid) for rid in engine.requests},
         "cache keys": engine.view.cache_keys(),
         "free blocks": engine.view.num_free_blocks,
         "events": engine.take_kv_events(),

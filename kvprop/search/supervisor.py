@@ -125,12 +125,12 @@ def enter_worker(log_path: Path, parent: int) -> None:
     """Make this process a worker: the target's output goes to ``log_path``; Ctrl-C is the
     parent's to handle (so a ``KeyboardInterrupt`` here can only come from target code, and is
     its crash); the worker dies with the parent."""
-    from kvprop.sim import target_calls as boundary
+    from kvprop.sim import target_calls
 
     die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    boundary.supervised()
+    target_calls.supervised()
     sys.stdout.flush()
     sys.stderr.flush()
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

@@ -67,7 +67,7 @@ class Engine(Scheduler, Worker, BuggyCaller):
         self.config = config
         self.allocator = allocator
         self.capabilities = capabilities  # what the target declares (kvprop.targets.protocol); kvprop's own: every one
-        self.boundary = TargetCalls(allocator)
+        self.target_calls = TargetCalls(allocator)
         self.view = view
         self.specs = config.allocator.groups
         self.state_groups = frozenset(g for g, spec in enumerate(self.specs) if isinstance(spec, Mamba))

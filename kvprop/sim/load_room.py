@@ -24,7 +24,7 @@ class LoadRoom:
     config: EngineConfig
     specs: tuple[GroupSpec, ...]
     state_groups: frozenset[int]
-    boundary: TargetCalls
+    target_calls: TargetCalls
     view: Any  # the target's view (kvprop.targets.protocol.View, a layer above the engine)
     running: list[Request]
     loading: dict[str, Request]
@@ -34,7 +34,7 @@ class LoadRoom:
     def blocks_to_finish(self, request: Request) -> int:
         """At most the blocks ``request`` still takes to hold its whole sequence: the entries its
         tables lack (every entry counted as a new block, skipped or not)."""
-        held = sum(len(table) for table in self.boundary.get_block_ids(request.request_id))
+        held = sum(len(table) for table in self.target_calls.get_block_ids(request.request_id))
         return max(0, self.max_blocks_needed(request.num_tokens) - held)
 
     @property

@@ -37,7 +37,7 @@ class BuggyCaller:
     # what it reads of the engine it is mixed into (set by ``Engine.__init__``)
     allocator: Any  # the target's allocator (a layer above the engine): only its caller_contract is read
     capabilities: Capabilities
-    boundary: TargetCalls
+    target_calls: TargetCalls
     block_size: int
     hooks: Hooks
     # the scheduler's records (kvprop.sim.scheduler): the requests a malformed call is made for
@@ -66,13 +66,13 @@ class BuggyCaller:
             raised = crash.error
         self.hooks.after_misuse(self, call, request, token, raised, contract)
         if raised is None and result is not None and call in ("negative-external", "too-many-external", "stale-hits"):
-            self.boundary.free(request)  # a granted allocation for a waiting request: the caller takes it back
+            self.target_calls.free(request)  # a granted allocation for a waiting request: the caller takes it back
         outcome = f"refused ({type(raised).__name__})" if raised is not None else "accepted"
         return f"{call} for {request.request_id}: {outcome}"
 
     def _misuse_target(self, call: str, index: int):
         """(request, the call to make) for ``call``, or None when no request suits it."""
-        b = self.boundary
+        b = self.target_calls
         waiting, running, retired = list(self.waiting), list(self.running), list(self.retired)
 
         def pick(options):

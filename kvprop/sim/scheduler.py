@@ -63,7 +63,7 @@ class Scheduler(ChunkRules, LoadRoom):
 
     # what it reads of the engine it is mixed into, beyond ChunkRules' (set by ``Engine.__init__``)
     capabilities: Capabilities
-    boundary: TargetCalls
+    target_calls: TargetCalls
     view: Any  # the target's view (kvprop.targets.protocol.View, a layer above the engine)
     hooks: Hooks
     connector: Connector | None
@@ -160,7 +160,7 @@ class Scheduler(ChunkRules, LoadRoom):
         scheduler target takes over with its own scheduler's free, and the canary's fault
         (``kvprop.targets.canary``) skips once."""
         self.admitted_at.pop(request.request_id, None)
-        self.boundary.free(request)
+        self.target_calls.free(request)
         self._forget_states(request.request_id)
         self.hooks.after_free(self, request)
 
@@ -220,7 +220,7 @@ class Scheduler(ChunkRules, LoadRoom):
         self.events[event] += 1
 
     def reset_prefix_cache(self) -> bool:
-        return self.boundary.reset_prefix_cache()
+        return self.target_calls.reset_prefix_cache()
 
     # ---- external loads ---------------------------------------------------------------------
 
@@ -228,7 +228,7 @@ class Scheduler(ChunkRules, LoadRoom):
         """The target's KV cache events since the last call; None when they are off."""
         if not self.config.allocator.enable_kv_cache_events:
             return None
-        return self.boundary.take_events()
+        return self.target_calls.take_events()
 
     def finish_load(self, request_id: str, ok: bool) -> None:
         """An asynchronous load completes (``ok``) or fails: the request then starts again without
@@ -248,7 +248,7 @@ class Scheduler(ChunkRules, LoadRoom):
             self._retire(request, Status.ABORTED)
         elif ok:
             request.num_computed_tokens += request.pending_external
-            self.boundary.cache_blocks(request, request.num_computed_tokens)
+            self.target_calls.cache_blocks(request, request.num_computed_tokens)
             request.status = Status.LOADED
             self.loaded.append(request)
             self.loaded.sort(key=lambda r: self.admitted_at[r.request_id])
@@ -268,7 +268,7 @@ class Scheduler(ChunkRules, LoadRoom):
     def _allocate(self, request: Request, num_new_tokens: int, **kwargs):
         token = self.hooks.before_allocation(self, request, num_new_tokens, kwargs)
         try:
-            result = self.boundary.allocate_slots(request, num_new_tokens, **kwargs)
+            result = self.target_calls.allocate_slots(request, num_new_tokens, **kwargs)
         except TargetCrash:
             self.hooks.allocation_crashed(self, request, token)
             raise
@@ -290,7 +290,7 @@ class Scheduler(ChunkRules, LoadRoom):
         report = StepReport()
         evictions = self.view.num_evictions if self.capabilities.evictions else 0
         if self.tells_steps:
-            self.boundary.new_step_starts()
+            self.target_calls.new_step_starts()
         self.hooks.step_starts(self)
         budget = self.config.token_budget
         i = 0
@@ -314,7 +314,7 @@ class Scheduler(ChunkRules, LoadRoom):
         if not report.preempted:
             budget = self._admit(report, budget)
         if self.copies_blocks:
-            report.copies = self.boundary.take_kv_cache_block_copies()
+            report.copies = self.target_calls.take_kv_cache_block_copies()
         self._execute(report)
         self._advance(report)
         if self.capabilities.evictions and self.view.num_evictions > evictions:
@@ -362,7 +362,7 @@ class Scheduler(ChunkRules, LoadRoom):
             request.num_computed_tokens = num_hit
             if ext > 0:
                 assert self.connector is not None  # external tokens are the connector's offer
-                tables = self.boundary.get_block_ids(request.request_id)
+                tables = self.target_calls.get_block_ids(request.request_id)
                 self.hooks.at_handoff(self, request, tables, num_hit, ext)
                 self.connector.start_load(request, self.view.null_block_id, tables, num_hit, ext)
                 if load_async:
@@ -371,7 +371,7 @@ class Scheduler(ChunkRules, LoadRoom):
                     self.loading[request.request_id] = request
                     continue
                 request.num_computed_tokens += ext
-                self.boundary.cache_blocks(request, min(request.num_computed_tokens + n, request.num_tokens))
+                self.target_calls.cache_blocks(request, min(request.num_computed_tokens + n, request.num_tokens))
             request.status = Status.RUNNING
             self.running.append(request)
             report.scheduled[request.request_id] = n
@@ -414,7 +414,7 @@ class Scheduler(ChunkRules, LoadRoom):
         """The target's hit for ``request``. A target may add vLLM's third value (0.30.0 on), the
         shared-prefix junction, which a scheduler stores on the request at every lookup for the
         allocator's retention to read (``kvprop.allocator.retention``); none means 0."""
-        result = self.boundary.get_computed_blocks(request)
+        result = self.target_calls.get_computed_blocks(request)
         request.shared_prefix_boundary = result[2] if len(result) > 2 else 0
         return result[0], result[1]
 
@@ -440,7 +440,7 @@ class Scheduler(ChunkRules, LoadRoom):
             if request.num_computed_tokens == request.num_tokens:
                 if request.num_output_tokens + 1 >= request.max_new_tokens:
                     if self.caches_after_output:
-                        self.boundary.cache_blocks(request, request.num_computed_tokens)
+                        self.target_calls.cache_blocks(request, request.num_computed_tokens)
                     self.running.remove(request)
                     self.release(request)
                     self._retire(request, Status.FINISHED)
@@ -449,7 +449,7 @@ class Scheduler(ChunkRules, LoadRoom):
                 request.append_token(request.next_token())
                 self._propose(request)
                 if self.caches_after_output:
-                    self.boundary.cache_blocks(request, request.num_computed_tokens)
+                    self.target_calls.cache_blocks(request, request.num_computed_tokens)
 
     def _verify(self, request: Request) -> None:
         """The verification pass of a decode step: accepted drafts become tokens and the computed

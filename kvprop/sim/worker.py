@@ -35,7 +35,7 @@ class Worker:
     specs: tuple[GroupSpec, ...]
     state_groups: frozenset[int]
     block_size: int
-    boundary: TargetCalls
+    target_calls: TargetCalls
     view: Any  # the target's view (kvprop.targets.protocol.View, a layer above the engine)
     hooks: Hooks
     connector: Connector | None
@@ -65,7 +65,7 @@ class Worker:
     def worker_block_ids(self, request_id: str):
         """The tables a forward pass writes through: the allocator's own, read at the step (a
         target whose scheduler hands the worker its block ids keeps the worker's copy)."""
-        return self.boundary.get_block_ids(request_id)
+        return self.target_calls.get_block_ids(request_id)
 
     def _write_scheduled(self, report: StepReport) -> None:
         """Write every newly computed position (one scatter), after the hook has seen each target block."""
@@ -155,7 +155,7 @@ class Worker:
         key = (request.request_id, g)
         column = self.state_columns.get(key)
         if column is None:
-            table = self.boundary.get_block_ids(request.request_id)[g]
+            table = self.target_calls.get_block_ids(request.request_id)[g]
             return table[cdiv(request.num_computed_tokens, self.block_size) - 1]
         return self.worker_tables[key][column[0] + column[1]]
 

@@ -29,7 +29,7 @@ import inspect
 
 from kvprop.allocator.specs import EngineConfig
 from kvprop.errors import ConfigError, TargetCrash, Violation
-from kvprop.sim import target_calls as boundary
+from kvprop.sim import target_calls
 from kvprop.sim.engine import (
     EV_ABORT_LOAD,
     EV_EVICT,
@@ -199,7 +199,7 @@ class SchedulerEngine(OffloadWorker, Engine):
                 self.report.admitted.append(request.request_id)
         self.hooks.after_allocation(self, request, token, result, computed)
         if result is not None and external:
-            tables = self.boundary.get_block_ids(request.request_id)
+            tables = self.target_calls.get_block_ids(request.request_id)
             local = computed - external
             self.hooks.at_handoff(self, request, tables, local, external)
 
@@ -270,7 +270,7 @@ class SchedulerEngine(OffloadWorker, Engine):
             return fn(*args)
         except (Violation, TargetCrash):
             raise
-        except boundary.TARGET_ERRORS as e:
+        except target_calls.TARGET_ERRORS as e:
             if self._hook_error is not None:
                 raise self._hook_error from None
             raise TargetCrash(what, e) from e
