@@ -24,7 +24,7 @@ do not edit: run it again (`make benchmarks`) -->
 
 Measured on 2025-01-31 by `kvprop bench --quick --markdown docs/benchmarks.md` (the short runs of `--quick`).
 Figures are wall-clock and move with the machine and its load: compare ratios within one
-run. `kvprop/bench.py` says what each part measures.
+run. `kvprop/front/bench.py` says what each part measures.
 
 | machine | |
 | --- | --- |

@@ -65,7 +65,7 @@ def document(result: dict, command: str, date: datetime.date, host: dict[str, st
         "",
         f"Measured on {date.isoformat()} by `{command}` ({runs}).",
         "Figures are wall-clock and move with the machine and its load: compare ratios within one",
-        "run. `kvprop/bench.py` says what each part measures.",
+        "run. `kvprop/front/bench.py` says what each part measures.",
         "",
         "| machine | |",
         "| --- | --- |",
