@@ -151,7 +151,7 @@ PROBES_LEFT = {
     "kvprop/sim/target_calls.py": (1, "the facade call the engine names, one of the required calls"),
     "kvprop/allocator/options.py": (1, "the configuration field an option declares"),
     "kvprop/capabilities.py": (2, "the declaration's own fields"),
-    "kvprop/targets/__init__.py": (3, "the attribute the user named; a registered target's factory and shapes"),
+    "kvprop/targets/__init__.py": (2, "the attribute the user named; what a registered target names (named)"),
     "kvprop/targets/protocol.py": (5, "a declaration held to its word once at build; the completed view's forwarding"),
     "kvprop/targets/vllm/config.py": (2, "the installed vLLM release's API"),
     "kvprop/targets/vllm/loading.py": (1, "whether vLLM's block hasher is already set up in this process"),

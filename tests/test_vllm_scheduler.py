@@ -393,6 +393,7 @@ def outcome(trace):
     return failure and failure.kind
 
 
+@pytest.mark.skipif(RELEASE < (0, 23), reason="0.22.1 has no prefix-cache retention, which the trace sets")
 def test_the_checks_read_the_junction_the_offloading_connector_raised():
     """From 0.34.0 the connector's lookup raises a request's shared-prefix junction where a
     sliding window cut its hit, and vLLM's manager retains by it. A 0.34.0 soak found this

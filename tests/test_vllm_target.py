@@ -32,6 +32,7 @@ from kvprop.allocator.specs import (  # noqa: E402
     AllocatorConfig,
     EngineConfig,
     FullAttention,
+    Mamba,
     SlidingWindow,
     without_checkpoints,
 )
@@ -430,3 +431,21 @@ def test_the_shapes_it_declares_for_this_release_are_almost_never_refused():
     configs = [sample_config(RandomChooser(random.Random(seed)), shapes) for seed in range(1000)]
     refused = [why for config in configs if (why := allocator_refusal(config.allocator)) is not None]
     assert len(refused) <= 50, refused[:3]
+
+
+# One Mamba group in mode "align" whose block is wider than the token budget.
+WIDE_STATE_BLOCK = EngineConfig(AllocatorConfig((Mamba(16, "align"),), 8), token_budget=1)
+
+
+@pytest.mark.skipif(RELEASE >= (0, 30), reason="0.30.0 starts with a state block wider than the budget")
+def test_the_manager_target_refuses_what_vllm_refuses_at_start_up():
+    message = (
+        r"refuses to start .* In Mamba cache align mode, block_size \(16\) must be <= max_num_batched_tokens \(1\)"
+    )
+    with pytest.raises(ConfigError, match=message):
+        build_engine(WIDE_STATE_BLOCK, target="vllm")
+
+
+@pytest.mark.skipif(RELEASE < (0, 30), reason="before 0.30.0 vLLM refuses to start with this configuration")
+def test_the_manager_target_builds_what_vllm_starts_with():
+    assert build_engine(WIDE_STATE_BLOCK, target="vllm").config == WIDE_STATE_BLOCK

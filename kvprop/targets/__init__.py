@@ -84,7 +84,12 @@ def factory_of(described: Target):
     """A declaration's factory: the callable itself, or the one its ``module:attribute`` names."""
     if callable(described.factory):
         return described.factory
-    module_name, _, attr = described.factory.partition(":")
+    return named(described.factory)
+
+
+def named(path: str):
+    """What ``package.module:attribute`` names (a registered target's factory, shapes or start-up check)."""
+    module_name, _, attr = path.partition(":")
     return getattr(importlib.import_module(module_name), attr)
 
 
@@ -95,8 +100,7 @@ def shapes_of(target) -> Shapes:
     imports it)."""
     shapes = load_target(target).shapes
     if isinstance(shapes, str):
-        module_name, _, attr = shapes.partition(":")
-        shapes = getattr(importlib.import_module(module_name), attr)()
+        shapes = named(shapes)()
     return shapes
 
 
@@ -140,6 +144,8 @@ def build_engine(config, variant=None, target=None, device=None, hooks=None, can
         return build_kvprop_engine(config, variant, device=device, hooks=hooks, wrap=with_canary if canary else None)
     if variant not in (None, "correct"):
         raise ConfigError(f"variant {variant!r} applies to the kvprop target only, not to target {target!r}")
+    if described.startup is not None:  # the engine's own start-up validation, before anything is built
+        named(described.startup)(config)
     factory = factory_of(described)
     if described.own_scheduler:  # it builds the whole engine, its own scheduler in charge
         return _call_factory(target, factory, config, device=device, hooks=hooks, canary=canary)

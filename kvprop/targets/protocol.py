@@ -201,6 +201,9 @@ class Target:
     # giving them for the release installed (evaluated where the target runs)
     shapes: Shapes | str = ANY_SHAPE
     own_scheduler: bool = False  # the factory builds the whole engine: factory(config, device, hooks, canary)
+    # "module:function": the engine's own start-up validation of the whole configuration, called
+    # before the factory (which sees only the allocator's); a ConfigError refuses the configuration
+    startup: str | None = None
     package: str | None = None  # the distribution whose release it drives (its version is reported)
 
 
@@ -224,6 +227,7 @@ REGISTRY = {
             "vLLM's own v1 KVCacheManager, driven by kvprop's scheduler",
             VLLM_CAPABILITIES,
             shapes="kvprop.targets.vllm.shapes:release_shapes",
+            startup="kvprop.targets.vllm.config:check_startup",
             package="vllm",
         ),
         Target(

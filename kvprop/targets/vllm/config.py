@@ -255,6 +255,67 @@ def _cpu_block_bytes(page: int) -> int:
     return -(-page // align) * align
 
 
+def _core_configs(config: EngineConfig, vc, max_len: int):
+    """vLLM's model, cache and scheduler configurations for ``config``, each validating itself as
+    it is built (a tiny Llama stands for the model: its size matters to nothing kvprop drives)."""
+    alloc = config.allocator
+    bs = alloc.block_size
+    modes = {spec.mode for spec in alloc.groups if isinstance(spec, Mamba)}
+    model = _build(
+        vc.ModelConfig,
+        "ModelConfig",
+        model=_model_dir(config.vocab),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=max_len,
+    )
+    cache = _build(
+        vc.CacheConfig,
+        "CacheConfig",
+        block_size=bs,
+        enable_prefix_caching=alloc.enable_caching,
+        **({"mamba_cache_mode": modes.pop()} if modes else {}),
+    )
+    cache.num_gpu_blocks = alloc.num_blocks
+    scheduler_config = _build(
+        vc.SchedulerConfig,
+        "SchedulerConfig",
+        # kvprop's limit where it sets one (vLLM refuses one above the token budget), else the
+        # default's 128 within the budget
+        max_num_seqs=config.max_num_seqs or min(config.token_budget, 128),
+        max_num_batched_tokens=config.token_budget,
+        max_model_len=max_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+        async_scheduling=False,
+    )
+    return model, cache, scheduler_config
+
+
+def check_startup(config: EngineConfig) -> None:
+    """vLLM's own start-up checks for the manager target, which builds vLLM's manager alone: the
+    configurations validate themselves as they are built, and ``VllmConfig.validate_block_size``
+    runs as ``EngineCore._initialize_kv_caches`` runs it before any scheduling (0.24.0
+    ``v1/engine/core.py:318``). A ConfigError names what vLLM refuses: a refused configuration,
+    never a find. kvprop's own scheduler and connector stand in for vLLM's, so neither is built."""
+    s = import_scheduler()
+    v, vc, alloc = s.v, s.config, config.allocator
+    max_len = max(1, alloc.block_size * (alloc.usable_blocks // len(alloc.groups)))
+    try:
+        model, cache, scheduler_config = _core_configs(config, vc, max_len)
+        vllm_config = vc.VllmConfig(
+            model_config=model,
+            cache_config=cache,
+            scheduler_config=scheduler_config,
+            device_config=vc.DeviceConfig(device="cpu"),
+        )
+        vllm_config.validate_block_size()
+    except ModuleNotFoundError as e:
+        raise ConfigError(f"target 'vllm': vLLM {v.version} needs {e.name!r}; {INSTALL_HINT}") from e
+    except (AssertionError, ValueError, TypeError) as e:
+        raise ConfigError(f"target 'vllm': vLLM {v.version} refuses to start with {config}: {e}") from e
+
+
 def build_scheduler(config: EngineConfig):
     """vLLM's ``Scheduler`` for ``config``, configured as vLLM's engine configures it for this
     release (synchronous scheduling: the engine's other mode overlaps steps, not modelled)."""
@@ -269,37 +330,9 @@ def build_scheduler(config: EngineConfig):
     max_len = bs * ((alloc.usable_blocks - scratch) // len(alloc.groups))
     if max_len < 1:
         raise ConfigError(f"target 'vllm-scheduler': {alloc.usable_blocks} usable blocks hold no request of {alloc}")
-    modes = {spec.mode for spec in alloc.groups if isinstance(spec, Mamba)}
     retention = _retention_setting(alloc, v)
     try:
-        model = _build(
-            vc.ModelConfig,
-            "ModelConfig",
-            model=_model_dir(config.vocab),
-            skip_tokenizer_init=True,
-            dtype="float32",
-            max_model_len=max_len,
-        )
-        cache = _build(
-            vc.CacheConfig,
-            "CacheConfig",
-            block_size=bs,
-            enable_prefix_caching=alloc.enable_caching,
-            **({"mamba_cache_mode": modes.pop()} if modes else {}),
-        )
-        cache.num_gpu_blocks = alloc.num_blocks
-        scheduler_config = _build(
-            vc.SchedulerConfig,
-            "SchedulerConfig",
-            # kvprop's limit where it sets one (vLLM refuses one above the token budget), else the
-            # default's 128 within the budget
-            max_num_seqs=config.max_num_seqs or min(config.token_budget, 128),
-            max_num_batched_tokens=config.token_budget,
-            max_model_len=max_len,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=False,
-            async_scheduling=False,
-        )
+        model, cache, scheduler_config = _core_configs(config, vc, max_len)
         extra = {}
         if config.speculative_tokens:
             # n-gram drafting: drafts come from the worker after each step, no lookahead slots
