@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 # measures before measuring starts.
 
 
+START_GRACE = 120.0  # seconds a worker may take to start (kvprop's own imports) before it writes its journal
+
+
 def signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
@@ -377,8 +380,11 @@ class Supervisor:
                 self.proc.join()
                 return self._died(exitcode=self.proc.exitcode)
             now = time.time()
-            idle = min(now - started, age(self.journal_path, now) if self.journal_path.exists() else now)
-            if idle > self.call_timeout:
+            begun = self.journal_path.exists()
+            idle = min(now - started, age(self.journal_path, now) if begun else now)
+            # Until its journal exists the worker runs kvprop's own start-up (a spawned one imports
+            # torch anew), not target code: the call timeout starts to count from there.
+            if idle > (self.call_timeout if begun else max(self.call_timeout, START_GRACE)):
                 self.proc.kill()
                 self.proc.join()
                 return self._died(hung=idle)
