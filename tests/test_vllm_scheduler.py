@@ -20,6 +20,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 # make test-vllm (and so CI) sets KVPROP_REQUIRE_VLLM: there a missing vLLM fails, never skips
 vllm = __import__("vllm") if os.environ.get("KVPROP_REQUIRE_VLLM") else pytest.importorskip("vllm")
 
+from helpers import add_op as add  # noqa: E402
 from helpers import checkpoint_find  # noqa: E402
 from packaging.version import Version  # noqa: E402
 
@@ -206,17 +207,6 @@ def scheduler_trace(groups, num_blocks, token_budget, connector, steps, drafts=0
     return tr.from_dict(
         {"format": "kvprop-trace/1", "target": "vllm-scheduler", "config": config, "steps": steps, "drain": True}
     )
-
-
-def add(parent, cut, extra, max_new_tokens):
-    return {
-        "op": "AddRequest",
-        "parent": parent,
-        "cut": cut,
-        "extra": extra,
-        "seed": 0,
-        "max_new_tokens": max_new_tokens,
-    }
 
 
 LARGE = {"op": "AddLargeRequest", "parent": 0, "seed": 0}
