@@ -1,11 +1,13 @@
 """A find's signature: what tells one bug from another, so that a campaign counts distinct
 findings rather than traces.
 
-The key is the violated kind (or the crashing exception's type) and the operation it was
-detected at (the drain at the end when no operation failed); traces of one bug agree on it
-however the walker reached them. The configuration features present say what the find
-involves: on a minimised trace, where the minimiser has dropped every option the failure does
-not need, they are the features that expose it.
+The key is the violated kind (or the crashing exception's type, or a dead worker's signal or
+exit status) and the operation it was detected at (the drain at the end when no operation
+failed). Traces of one bug mostly share it; a bug detected at several operations (at a step in
+one walk, at the drain in another) has one key per operation, and a triaged-findings file lists
+each. The configuration features present say what the find involves: on a minimised trace,
+where the minimiser has dropped every option the failure does not need, they are the features
+that expose it. Sizes (blocks, token budget, alphabet) are not features.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import attrs
 from kvprop.allocator.specs import OPTIONS, EngineConfig, Mamba
 from kvprop.search.trace import Trace
 
-KEY = re.compile(r"^[a-z][a-z-]*(?::[A-Za-z_][A-Za-z0-9_.]*)?@[A-Za-z]+$")
+KEY = re.compile(r"^[a-z][a-z-]*(?::[^@\n]{1,80})?@[A-Za-z]+$")  # kind[:exception]@operation
 
 
 @attrs.frozen
