@@ -12,8 +12,11 @@ untouched hits (the motivating bug); 0.24.0 has the two-phase fix (vLLM PR #4440
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +26,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 vllm = __import__("vllm") if os.environ.get("KVPROP_REQUIRE_VLLM") else pytest.importorskip("vllm")
 
 import attrs  # noqa: E402
-from helpers import checkpoint_find, report_find  # noqa: E402
+from helpers import checkpoint_find, motivating_trace, report_find  # noqa: E402
 from hypothesis import Phase, settings  # noqa: E402
 from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
 from packaging.version import Version  # noqa: E402
@@ -449,3 +452,73 @@ def test_the_manager_target_refuses_what_vllm_refuses_at_start_up():
 @pytest.mark.skipif(RELEASE < (0, 30), reason="before 0.30.0 vLLM refuses to start with this configuration")
 def test_the_manager_target_builds_what_vllm_starts_with():
     assert build_engine(WIDE_STATE_BLOCK, target="vllm").config == WIDE_STATE_BLOCK
+
+
+# ---- kvprop report: reproducers that need only vLLM -------------------------------------------
+
+# Runs repro.py isolated (-I: no PYTHONPATH, no script folder on sys.path) with every import of
+# kvprop refused: the script must run where only vLLM is installed.
+WITHOUT_KVPROP = "import runpy, sys; sys.modules['kvprop'] = None; runpy.run_path('repro.py', run_name='__main__')"
+
+
+def reported(tmp_path, trace) -> tuple[int, Path]:
+    from kvprop.front.cli import main
+
+    path, out = tmp_path / "find.json", tmp_path / "report"
+    tr.save(trace, path)
+    return main(["report", str(path), "--out", str(out)]), out
+
+
+def run_reproducer(folder: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-I", "-c", WITHOUT_KVPROP], cwd=folder, capture_output=True, text=True, timeout=600
+    )
+
+
+def imported_modules(source: str) -> set[str]:
+    nodes = ast.walk(ast.parse(source))
+    names = [a.name for n in nodes if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom) and n.module]
+    return {name.split(".")[0] for name in names}
+
+
+@pytest.mark.skipif(RELEASE < (0, 33), reason="hits inside a block follow 0.33.0's rules from 0.33.0 only")
+def test_the_report_of_a_crash_is_a_script_that_raises_vllms_exception_without_kvprop(tmp_path):
+    code, out = reported(tmp_path, report_find("inside-a-block", target="vllm"))
+    run = run_reproducer(out)
+    assert (code, run.returncode, run.stderr.strip().splitlines()[-1]) == (0, 1, "IndexError: list index out of range")
+
+
+@pytest.mark.skipif(RELEASE < (0, 33), reason="hits inside a block follow 0.33.0's rules from 0.33.0 only")
+def test_a_reproducer_imports_only_vllm_torch_and_the_standard_library(tmp_path):
+    _, out = reported(tmp_path, report_find("inside-a-block", target="vllm"))
+    assert imported_modules((out / "repro.py").read_text()) == {"collections", "os", "sys", "torch", "vllm"}
+
+
+@needs_bug
+def test_the_report_of_the_motivating_bug_asserts_a_block_in_two_groups(tmp_path):
+    code, out = reported(tmp_path, attrs.evolve(motivating_trace(), target="vllm", variant=None))
+    run = run_reproducer(out)
+    last = run.stderr.strip().splitlines()[-1]
+    assert (code, run.returncode, last.startswith("AssertionError: block ids in the block tables of more")) == (
+        0,
+        1,
+        True,
+    )
+
+
+@needs_fix
+def test_the_motivating_trace_has_nothing_to_report_on_a_fixed_release(tmp_path, capsys):
+    code, out = reported(tmp_path, attrs.evolve(motivating_trace(), target="vllm", variant=None))
+    assert (code, "does not fail" in capsys.readouterr().err, out.exists()) == (2, True, False)
+
+
+@pytest.mark.skipif(RELEASE < (0, 33), reason="prefill checkpoints follow 0.33.0's rules from 0.33.0 only")
+def test_a_find_vllms_state_alone_cannot_state_is_refused_naming_the_supported_kinds(tmp_path, capsys):
+    code, out = reported(tmp_path, checkpoint_find("over-running-state", target="vllm"))
+    err = capsys.readouterr().err
+    assert (code, "'data-mismatch'" in err, "supported kinds: target-crash, block-in-two-groups" in err) == (
+        2,
+        True,
+        True,
+    )

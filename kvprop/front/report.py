@@ -48,10 +48,10 @@ def cmd_report(args) -> int:
 
     trace = tr.load(args.file)
     check_reportable(trace, args.file)
-    v = import_vllm()  # a missing vLLM is a ConfigError saying how to install it
     out = Path(args.out) if args.out else Path(args.file).with_suffix(".report")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {str(out)!r} is a file; give a folder")
+    v = import_vllm()  # a missing vLLM is a ConfigError saying how to install it
     write_report(trace, out, v.version)
     print(f"wrote {out / 'repro.py'} and {out / 'REPORT.md'}; run: python repro.py (exit 1: the bug is present)")
     return EXIT_CLEAN
