@@ -13,6 +13,7 @@ untouched hits (the motivating bug); 0.24.0 has the two-phase fix (vLLM PR #4440
 from __future__ import annotations
 
 import ast
+import collections
 import json
 import os
 import subprocess
@@ -522,3 +523,37 @@ def test_a_find_vllms_state_alone_cannot_state_is_refused_naming_the_supported_k
         True,
         True,
     )
+
+
+def broken(kind: str, allocator) -> None:
+    """One way to break each property a reproducer states, on request ``r0``'s first block."""
+    pool, first = allocator.pool, allocator.manager.get_block_ids("r0")[0][0]
+    if kind == "block-in-two-groups":
+        allocator.manager.coordinator.single_type_managers[1].req_to_blocks["r0"].append(pool.blocks[first])
+    elif kind == "ref-cnt-mismatch":
+        pool.blocks[first].ref_cnt += 1
+    elif kind == "free-queue-membership":
+        pool.free_block_queue.popleft()  # out of the queue, its ref_cnt still 0
+    else:  # free-count
+        pool.free_block_queue.num_free_blocks += 1
+
+
+def holds(kind: str, allocator) -> bool:
+    from kvprop.repro.vllm_script import CHECKS
+
+    null = allocator.pool.null_block.block_id
+    scope = {"manager": allocator.manager, "live": ["r0"], "null": null, "collections": collections}
+    try:
+        exec(CHECKS[kind], scope)  # noqa: S102 - kvprop's own check source
+    except AssertionError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("kind", ["block-in-two-groups", "ref-cnt-mismatch", "free-queue-membership", "free-count"])
+def test_each_property_a_reproducer_states_holds_on_a_sound_manager_and_fails_on_a_broken_one(kind):
+    allocator, _ = make_target(AllocatorConfig((FullAttention(4), SlidingWindow(4, 8)), 16))
+    prefill(allocator, req("r0", range(10), 4))
+    sound = holds(kind, allocator)
+    broken(kind, allocator)
+    assert (sound, holds(kind, allocator)) == (True, False)
