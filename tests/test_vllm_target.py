@@ -493,7 +493,19 @@ def test_the_report_of_a_crash_is_a_script_that_raises_vllms_exception_without_k
 @pytest.mark.skipif(RELEASE < (0, 33), reason="hits inside a block follow 0.33.0's rules from 0.33.0 only")
 def test_a_reproducer_imports_only_vllm_torch_and_the_standard_library(tmp_path):
     _, out = reported(tmp_path, report_find("inside-a-block", target="vllm"))
-    assert imported_modules((out / "repro.py").read_text()) == {"collections", "os", "sys", "torch", "vllm"}
+    assert imported_modules((out / "repro.py").read_text()) == {"collections", "inspect", "os", "sys", "torch", "vllm"}
+
+
+@pytest.mark.skipif(RELEASE < (0, 33), reason="hits inside a block follow 0.33.0's rules from 0.33.0 only")
+def test_a_reproducer_on_a_release_whose_manager_lacks_a_keyword_it_passes_exits_2_before_any_call(tmp_path):
+    """Another release's API is no answer either way: the script checks the calls it makes first."""
+    _, out = reported(tmp_path, report_find("inside-a-block", target="vllm"))
+    script = out / "repro.py"
+    text = script.read_text()
+    api = next(line for line in text.splitlines() if line.startswith("API = "))
+    script.write_text(text.replace(api, api.replace("'delay_cache_blocks'", "'a_keyword_no_release_takes'")))
+    run = run_reproducer(out)
+    assert (run.returncode, "does not take manager.allocate_slots()" in run.stdout) == (2, True)
 
 
 @needs_bug

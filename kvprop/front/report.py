@@ -132,7 +132,7 @@ def markdown(recording, steps, failure, sentence: str, version: str, script: str
         f"# {title}",
         "",
         f"Engine: vLLM's v1 `KVCacheManager`, vLLM {version}, driven by kvprop's scheduler through its public calls.",
-        f"Find: `{failure.kind}`, minimised by kvprop.",
+        f"Find: `{failure.kind}`, as kvprop names it; the steps below are the calls a kvprop trace made into vLLM.",
         "",
         "## Configuration",
         "",

@@ -65,9 +65,7 @@ class Call:
 class Recording:
     calls: tuple
     failure: Failure | None
-    freed: frozenset  # the requests vLLM was asked to free (the live ones are the others)
-    manager: object  # vLLM's manager as the replay left it
-    allocator: VllmAllocator
+    allocator: VllmAllocator  # its manager as the replay left it
 
 
 class Recorder:
@@ -154,5 +152,4 @@ def record(trace: Trace) -> Recording:
         recorder.op = index + 1
 
     failure = run(harness, trace.steps, trace.drain, on_step)
-    freed = {c.args[0].request_id for c in recorder.calls if c.name == "free"}
-    return Recording(tuple(recorder.calls), failure, frozenset(freed), allocator.manager, allocator)
+    return Recording(tuple(recorder.calls), failure, allocator)

@@ -15,7 +15,7 @@ import dataclasses
 import enum
 
 from kvprop.errors import ConfigError
-from kvprop.repro.vllm_record import Call, Computed, Recording, Req
+from kvprop.repro.vllm_record import MANAGER_CALLS, Call, Computed, Recording, Req
 
 # The broken property, over vLLM's state, for each kind a script can state from it alone.
 # ``live`` is the requests built and not freed; ``null`` the null block's id.
@@ -147,6 +147,11 @@ def render(recording: Recording, steps: tuple, kind: str, sentence: str, version
     kwargs, env = arguments
     modules: set = set()
     built = [f"    {name}={constructor(value, modules)}," for name, value in kwargs.items()]
+    api: dict[str, list[str]] = {}
+    for call in recording.calls:
+        if call.name in MANAGER_CALLS:
+            keywords = api.setdefault(call.name, [])
+            keywords += [k for k, _ in call.kwargs if k not in keywords]
     v = recording.allocator.v
     unit = recording.allocator.config.unit
     header = [
@@ -155,10 +160,11 @@ def render(recording: Recording, steps: tuple, kind: str, sentence: str, version
         f"Broken: {sentence}.",
         "It builds the manager kvprop drove, makes the calls kvprop's engine made, in order, and",
         "exits 1 while the bug is present (an AssertionError, or vLLM's own exception), 0 once fixed,",
-        "2 where the installed vLLM does not take the manager's configuration (another release's API).",
+        "2 where the installed vLLM does not take the manager's configuration or calls (another release's API).",
         '"""',
         "",
         "import collections",
+        "import inspect",
         "import os",
         "import sys",
         "",
@@ -183,6 +189,14 @@ def render(recording: Recording, steps: tuple, kind: str, sentence: str, version
         "except TypeError as e:  # another release's signature: no answer either way",
         f'    print(f"vLLM {{vllm.__version__}} does not take the manager written for vLLM {version}: {{e}}")',
         "    sys.exit(2)",
+        "# the manager's calls below and their keywords; a release without them is another API: exit 2",
+        f"API = {api!r}",
+        "for method, keywords in API.items():",
+        "    takes = inspect.signature(getattr(manager, method)).parameters if hasattr(manager, method) else None",
+        "    if takes is None or not set(keywords) <= set(takes):",
+        '        print(f"vLLM {vllm.__version__} does not take manager.{method}() with {keywords} "',
+        f'              "as vLLM {version} does")',
+        "        sys.exit(2)",
         "requests = {}  # request id -> vLLM Request",
         "freed = set()  # the requests freed",
     ]
