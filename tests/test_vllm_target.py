@@ -491,6 +491,14 @@ def test_the_report_of_a_crash_is_a_script_that_raises_vllms_exception_without_k
 
 
 @pytest.mark.skipif(RELEASE < (0, 33), reason="hits inside a block follow 0.33.0's rules from 0.33.0 only")
+def test_the_report_of_a_crash_is_titled_by_the_release_and_the_exception_and_lists_the_groups(tmp_path):
+    _, out = reported(tmp_path, report_find("inside-a-block", target="vllm"))
+    lines = (out / "REPORT.md").read_text().splitlines()
+    group = "- group 1: `MambaSpec` (block_size=16, mamba_cache_mode='align')"
+    assert (lines[0], group in lines) == (f"# vLLM {vllm.__version__}: KVCacheManager raises IndexError", True)
+
+
+@pytest.mark.skipif(RELEASE < (0, 33), reason="hits inside a block follow 0.33.0's rules from 0.33.0 only")
 def test_a_reproducer_imports_only_vllm_torch_and_the_standard_library(tmp_path):
     _, out = reported(tmp_path, report_find("inside-a-block", target="vllm"))
     assert imported_modules((out / "repro.py").read_text()) == {"collections", "inspect", "os", "sys", "torch", "vllm"}

@@ -97,7 +97,19 @@ def write_report(trace: Trace, out: Path, version: str) -> None:
             f"{_last_line(run.stderr or run.stdout)}"
         )
     text = markdown(recording, trace.steps, failure, sentence, version, script, _last_line(run.stderr))
+    text = text.replace("## Configuration\n\n", "## Configuration\n\n" + _groups(kwargs["kv_cache_config"]), 1)
     (out / "REPORT.md").write_text(text, encoding="utf-8")
+
+
+def _groups(kv_cache_config) -> str:
+    """The pool and each KV cache group in a line: the spec's class and what sets its shape."""
+    lines = [f"- {kv_cache_config.num_blocks} blocks (the null block among them)"]
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        shown = ("block_size", "sliding_window", "attention_chunk_size", "mamba_cache_mode")
+        fields = ", ".join(f"{name}={getattr(spec, name)!r}" for name in shown if getattr(spec, name, None) is not None)
+        lines.append(f"- group {g}: `{type(spec).__name__}` ({fields})")
+    return "\n".join(lines) + "\n\nas vLLM's constructors (`repro.py` builds exactly this):\n\n"
 
 
 def _last_line(text: str) -> str:
