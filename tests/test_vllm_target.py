@@ -12,8 +12,12 @@ untouched hits (the motivating bug); 0.24.0 has the two-phase fix (vLLM PR #4440
 
 from __future__ import annotations
 
+import ast
+import collections
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +27,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 vllm = __import__("vllm") if os.environ.get("KVPROP_REQUIRE_VLLM") else pytest.importorskip("vllm")
 
 import attrs  # noqa: E402
-from helpers import checkpoint_find, report_find  # noqa: E402
+from helpers import checkpoint_find, motivating_trace, report_find  # noqa: E402
 from hypothesis import Phase, settings  # noqa: E402
 from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
 from packaging.version import Version  # noqa: E402
@@ -449,3 +453,127 @@ def test_the_manager_target_refuses_what_vllm_refuses_at_start_up():
 @pytest.mark.skipif(RELEASE < (0, 30), reason="before 0.30.0 vLLM refuses to start with this configuration")
 def test_the_manager_target_builds_what_vllm_starts_with():
     assert build_engine(WIDE_STATE_BLOCK, target="vllm").config == WIDE_STATE_BLOCK
+
+
+# ---- kvprop report: reproducers that need only vLLM -------------------------------------------
+
+# Runs repro.py isolated (-I: no PYTHONPATH, no script folder on sys.path) with every import of
+# kvprop refused: the script must run where only vLLM is installed.
+WITHOUT_KVPROP = "import runpy, sys; sys.modules['kvprop'] = None; runpy.run_path('repro.py', run_name='__main__')"
+
+
+def reported(tmp_path, trace) -> tuple[int, Path]:
+    from kvprop.front.cli import main
+
+    path, out = tmp_path / "find.json", tmp_path / "report"
+    tr.save(trace, path)
+    return main(["report", str(path), "--out", str(out)]), out
+
+
+def run_reproducer(folder: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-I", "-c", WITHOUT_KVPROP], cwd=folder, capture_output=True, text=True, timeout=600
+    )
+
+
+def imported_modules(source: str) -> set[str]:
+    nodes = ast.walk(ast.parse(source))
+    names = [a.name for n in nodes if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom) and n.module]
+    return {name.split(".")[0] for name in names}
+
+
+@pytest.mark.skipif(RELEASE < (0, 33), reason="hits inside a block follow 0.33.0's rules from 0.33.0 only")
+def test_the_report_of_a_crash_is_a_script_that_raises_vllms_exception_without_kvprop(tmp_path):
+    code, out = reported(tmp_path, report_find("inside-a-block", target="vllm"))
+    run = run_reproducer(out)
+    assert (code, run.returncode, run.stderr.strip().splitlines()[-1]) == (0, 1, "IndexError: list index out of range")
+
+
+@pytest.mark.skipif(RELEASE < (0, 33), reason="hits inside a block follow 0.33.0's rules from 0.33.0 only")
+def test_the_report_of_a_crash_is_titled_by_the_release_and_the_exception_and_lists_the_groups(tmp_path):
+    _, out = reported(tmp_path, report_find("inside-a-block", target="vllm"))
+    lines = (out / "REPORT.md").read_text().splitlines()
+    group = "- group 1: `MambaSpec` (block_size=16, mamba_cache_mode='align')"
+    assert (lines[0], group in lines) == (f"# vLLM {vllm.__version__}: KVCacheManager raises IndexError", True)
+
+
+@pytest.mark.skipif(RELEASE < (0, 33), reason="hits inside a block follow 0.33.0's rules from 0.33.0 only")
+def test_a_reproducer_imports_only_vllm_torch_and_the_standard_library(tmp_path):
+    _, out = reported(tmp_path, report_find("inside-a-block", target="vllm"))
+    assert imported_modules((out / "repro.py").read_text()) == {"collections", "inspect", "os", "sys", "torch", "vllm"}
+
+
+@pytest.mark.skipif(RELEASE < (0, 33), reason="hits inside a block follow 0.33.0's rules from 0.33.0 only")
+def test_a_reproducer_on_a_release_whose_manager_lacks_a_keyword_it_passes_exits_2_before_any_call(tmp_path):
+    """Another release's API is no answer either way: the script checks the calls it makes first."""
+    _, out = reported(tmp_path, report_find("inside-a-block", target="vllm"))
+    script = out / "repro.py"
+    text = script.read_text()
+    api = next(line for line in text.splitlines() if line.startswith("API = "))
+    script.write_text(text.replace(api, api.replace("'delay_cache_blocks'", "'a_keyword_no_release_takes'")))
+    run = run_reproducer(out)
+    assert (run.returncode, "does not take manager.allocate_slots()" in run.stdout) == (2, True)
+
+
+@needs_bug
+def test_the_report_of_the_motivating_bug_asserts_a_block_in_two_groups(tmp_path):
+    code, out = reported(tmp_path, attrs.evolve(motivating_trace(), target="vllm", variant=None))
+    run = run_reproducer(out)
+    last = run.stderr.strip().splitlines()[-1]
+    assert (code, run.returncode, last.startswith("AssertionError: block ids in the block tables of more")) == (
+        0,
+        1,
+        True,
+    )
+
+
+@needs_fix
+def test_the_motivating_trace_has_nothing_to_report_on_a_fixed_release(tmp_path, capsys):
+    code, out = reported(tmp_path, attrs.evolve(motivating_trace(), target="vllm", variant=None))
+    assert (code, "does not fail" in capsys.readouterr().err, out.exists()) == (2, True, False)
+
+
+@pytest.mark.skipif(RELEASE < (0, 33), reason="prefill checkpoints follow 0.33.0's rules from 0.33.0 only")
+def test_a_find_vllms_state_alone_cannot_state_is_refused_naming_the_supported_kinds(tmp_path, capsys):
+    code, out = reported(tmp_path, checkpoint_find("over-running-state", target="vllm"))
+    err = capsys.readouterr().err
+    assert (code, "'data-mismatch'" in err, "supported kinds: target-crash, block-in-two-groups" in err) == (
+        2,
+        True,
+        True,
+    )
+
+
+def broken(kind: str, allocator) -> None:
+    """One way to break each property a reproducer states, on request ``r0``'s first block."""
+    pool, first = allocator.pool, allocator.manager.get_block_ids("r0")[0][0]
+    if kind == "block-in-two-groups":
+        allocator.manager.coordinator.single_type_managers[1].req_to_blocks["r0"].append(pool.blocks[first])
+    elif kind == "ref-cnt-mismatch":
+        pool.blocks[first].ref_cnt += 1
+    elif kind == "free-queue-membership":
+        pool.free_block_queue.popleft()  # out of the queue, its ref_cnt still 0
+    else:  # free-count
+        pool.free_block_queue.num_free_blocks += 1
+
+
+def holds(kind: str, allocator) -> bool:
+    from kvprop.repro.vllm_script import CHECKS
+
+    null = allocator.pool.null_block.block_id
+    scope = {"manager": allocator.manager, "live": ["r0"], "null": null, "collections": collections}
+    try:
+        exec(CHECKS[kind], scope)  # noqa: S102 - kvprop's own check source
+    except AssertionError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("kind", ["block-in-two-groups", "ref-cnt-mismatch", "free-queue-membership", "free-count"])
+def test_each_property_a_reproducer_states_holds_on_a_sound_manager_and_fails_on_a_broken_one(kind):
+    allocator, _ = make_target(AllocatorConfig((FullAttention(4), SlidingWindow(4, 8)), 16))
+    prefill(allocator, req("r0", range(10), 4))
+    sound = holds(kind, allocator)
+    broken(kind, allocator)
+    assert (sound, holds(kind, allocator)) == (True, False)

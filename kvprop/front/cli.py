@@ -207,6 +207,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="the target the test replays on (default: the trace's, if it is one of kvprop's own)",
     )
 
+    from kvprop.front import report
+
+    rp = command(
+        "report",
+        report.cmd_report,
+        "write a find on target 'vllm' as a reproducer needing only vLLM (exit 0 written, 2 cannot)",
+    )
+    rp.add_argument("file")
+    rp.add_argument("--out", default=None, help="folder for repro.py and REPORT.md (default: FILE's name + .report)")
+
     b = command("bugs", fc.cmd_bugs, "fuzz every bug variant from scratch and tabulate (exit 0: all found)")
     b.add_argument("--seconds-per-bug", type=seconds, default=30.0, help="budget per variant")
     b.add_argument("--driver", default="walk", choices=DRIVERS, help="the search driver")

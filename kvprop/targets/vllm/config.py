@@ -148,6 +148,21 @@ def _metrics_collector():
 def build_manager(config: AllocatorConfig):
     """vLLM's ``KVCacheManager`` for ``config``, given what its engine would pass it."""
     v = import_vllm()
+    kwargs, env = manager_arguments(config)
+    try:
+        with _environment(env):
+            return v.KVCacheManager(**kwargs)
+    except (AssertionError, ValueError, TypeError, NotImplementedError) as e:
+        raise ConfigError(
+            f"target 'vllm': vLLM {v.version} cannot build an allocator for {config}: {type(e).__name__}: {e}"
+        ) from e
+
+
+def manager_arguments(config: AllocatorConfig) -> tuple[dict, dict]:
+    """The keyword arguments ``build_manager`` passes vLLM's ``KVCacheManager`` for ``config``, and
+    the environment variables set while it is built: one place, so that a reproducer
+    (``kvprop report``) states exactly the manager the target drives."""
+    v = import_vllm()
     block_size = config.block_size
     wanted = dict(
         # no request can need more slots than the pool has
@@ -195,15 +210,12 @@ def build_manager(config: AllocatorConfig):
             kv_cache_groups=[v.kvi.KVCacheGroupSpec([f"layer{g}"], s) for g, s in enumerate(vllm_specs(config, v))],
             **retention.get("field", {}),
         )
-        wanted["kv_cache_config"] = kv_cache_config
-        with _environment(retention.get("env", {})):
-            return v.KVCacheManager(**call_kwargs("KVCacheManager()", params, wanted))
-    except ConfigError:
-        raise
     except (AssertionError, ValueError, TypeError, NotImplementedError) as e:
         raise ConfigError(
             f"target 'vllm': vLLM {v.version} cannot build an allocator for {config}: {type(e).__name__}: {e}"
         ) from e
+    wanted["kv_cache_config"] = kv_cache_config
+    return call_kwargs("KVCacheManager()", params, wanted), retention.get("env", {})
 
 
 def _model_dir(vocab: int) -> str:
