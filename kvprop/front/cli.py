@@ -212,10 +212,17 @@ def build_parser() -> argparse.ArgumentParser:
     rp = command(
         "report",
         report.cmd_report,
-        "write a find on target 'vllm' as a reproducer needing only vLLM (exit 0 written, 2 cannot)",
+        "write a find on target 'vllm' as a reproducer needing only vLLM (exit 0 written, 2 cannot, "
+        "1 vLLM died or hung replaying it)",
     )
     rp.add_argument("file")
     rp.add_argument("--out", default=None, help="folder for repro.py and REPORT.md (default: FILE's name + .report)")
+    rp.add_argument(
+        "--call-timeout",
+        type=seconds,
+        default=CALL_TIMEOUT,
+        help="seconds vLLM may take without progress while the trace is replayed before it is a target-hang find",
+    )
 
     b = command("bugs", fc.cmd_bugs, "fuzz every bug variant from scratch and tabulate (exit 0: all found)")
     b.add_argument("--seconds-per-bug", type=seconds, default=30.0, help="budget per variant")

@@ -119,7 +119,7 @@ def _check_out(args) -> None:
     counterexample.check_out(Path(args.out))
 
 
-def _died(args, died, command: str) -> int:
+def died_find(args, died, command: str) -> int:
     """The target died or hung while ``command`` ran it: a find, saved under ``--out`` with what
     the target printed, and exit 1."""
     from kvprop.repro import counterexample
@@ -332,7 +332,7 @@ def cmd_agree(args) -> int:
         try:
             result = supervisor.call(agree, options)
         except Died as died:
-            return _died(args, died, "agree")
+            return died_find(args, died, "agree")
     if result.walks == 0:
         raise ConfigError(
             f"target {args.target!r} refused all {result.refused} configurations, nothing compared; "
@@ -401,7 +401,7 @@ def cmd_bench(args) -> int:
         return _bench(bench, args)
     except Died as died:  # vLLM died or hung under measurement: a find like any other
         args.out = "counterexamples"
-        return _died(args, died, "bench")
+        return died_find(args, died, "bench")
 
 
 def _bench(bench, args) -> int:
@@ -439,7 +439,7 @@ def cmd_coverage(args) -> int:
         try:
             report = supervisor.call(coverage.measure, options, progress=progress)
         except Died as died:
-            return _died(args, died, "coverage")
+            return died_find(args, died, "coverage")
     if args.json:
         print(json.dumps(report.as_dict(), indent=1))
     else:

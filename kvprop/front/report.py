@@ -1,15 +1,18 @@
 """``kvprop report TRACE``: a find on vLLM's manager target as a reproducer vLLM's maintainers run without kvprop.
 
-It replays the trace on the ``vllm`` target in this process, recording the calls into vLLM
-(``kvprop.repro.vllm_record``), writes ``repro.py`` (``kvprop.repro.vllm_script``) and
-``REPORT.md`` into the output folder, then runs the script with this interpreter, isolated
-and with kvprop made unimportable: only a script that exits 1 on the installed release is
-kept, so a report never holds a reproducer that cannot fail. Exit 0 written; 2 a trace or
-find it cannot report (the message says which targets and kinds it takes).
+It replays the trace on the ``vllm`` target in a supervised worker (vLLM's code never runs in
+kvprop's own process), recording the calls into vLLM (``kvprop.repro.vllm_record``), writes
+``repro.py`` (``kvprop.repro.vllm_script``) and ``REPORT.md`` into the output folder, then runs
+the script with this interpreter, isolated and with kvprop made unimportable: only a script
+that exits 1 on the installed release is kept, so a report never holds a reproducer that
+cannot fail. Exit 0 written; 2 a trace or find it cannot report (the message says which
+targets and kinds it takes); 1 vLLM's process died or hung while replaying (a find, saved in
+the output folder).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -17,7 +20,10 @@ from pathlib import Path
 
 from kvprop.errors import ConfigError
 from kvprop.exits import EXIT_CLEAN
+from kvprop.front.commands import died_find
+from kvprop.search.supervisor import Died, Supervisor
 from kvprop.search.trace import Trace
+from kvprop.targets.vllm.loading import INSTALL_HINT
 
 SCRIPT_TIMEOUT = 600  # seconds: importing vLLM and replaying a minimised trace take far less
 # Runs the reproducer with every import of kvprop refused, as a maintainer's environment has none.
@@ -44,27 +50,40 @@ def check_reportable(trace: Trace, source: str) -> None:
 
 def cmd_report(args) -> int:
     from kvprop.search import trace as tr
-    from kvprop.targets.vllm.loading import import_vllm
 
     trace = tr.load(args.file)
     check_reportable(trace, args.file)
     out = Path(args.out) if args.out else Path(args.file).with_suffix(".report")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {str(out)!r} is a file; give a folder")
-    v = import_vllm()  # a missing vLLM is a ConfigError saying how to install it
-    write_report(trace, out, v.version)
+    if importlib.util.find_spec("vllm") is None:  # looked for, not imported: vLLM runs only in the worker
+        raise ConfigError(f"kvprop report needs vLLM importable; {INSTALL_HINT}")
+    with Supervisor("vllm", None, None, args.call_timeout) as supervisor:
+        try:
+            supervisor.call(report_here, {"trace": tr.to_dict(trace), "out": str(out)})
+        except Died as died:  # vLLM's process died or hung while replaying: a find of its own
+            args.out = str(out)
+            return died_find(args, died, "report")
     print(f"wrote {out / 'repro.py'} and {out / 'REPORT.md'}; run: python repro.py (exit 1: the bug is present)")
     return EXIT_CLEAN
 
 
-def write_report(trace: Trace, out: Path, version: str) -> None:
+def report_here(trace: dict, out: str, journal=None) -> None:
+    """In the supervised worker: vLLM's code runs only there."""
+    from kvprop.search import trace as tr
+    from kvprop.targets.vllm.loading import import_vllm
+
+    write_report(tr.from_dict(trace), Path(out), import_vllm().version, journal)
+
+
+def write_report(trace: Trace, out: Path, version: str, journal=None) -> None:
     """Record, render, write and verify; a find the script cannot state is a ConfigError."""
     from kvprop.check.kinds import KINDS
     from kvprop.repro import vllm_script as vs
     from kvprop.repro.vllm_record import record
     from kvprop.targets.vllm.config import manager_arguments
 
-    recording = record(trace)
+    recording = record(trace, journal)
     failure = recording.failure
     if failure is None:
         raise ConfigError(f"the trace does not fail on vLLM {version}: there is nothing to reproduce")

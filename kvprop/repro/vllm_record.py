@@ -2,8 +2,9 @@
 
 A reproducer for vLLM's maintainers (``kvprop report``) must perform what kvprop's engine did
 to vLLM's ``KVCacheManager`` and nothing else. The recorder replays the trace on the target
-in this process and notes, as they happen, every call the target's allocator makes into the
-manager (with its arguments) and every change it makes to the vLLM ``Request`` objects it
+(in a supervised worker: ``kvprop.front.report``) and notes, as they happen, every call the
+target's allocator makes into the manager (with its arguments) and every change it makes to
+the vLLM ``Request`` objects it
 keeps (built, output tokens appended, ``num_computed_tokens`` and ``shared_prefix_boundary``
 set), each under the index of the kvprop operation that made it. Nothing vLLM does is
 changed: the recorder wraps the adapter's own entry points and calls through.
@@ -140,9 +141,12 @@ def _boundary(vreq):
     return getattr(vreq, "shared_prefix_boundary", None)
 
 
-def record(trace: Trace) -> Recording:
-    """Replay ``trace`` on the ``vllm`` target in this process, recording its calls into vLLM."""
-    harness = Harness(trace.config, target="vllm")
+def record(trace: Trace, journal=None) -> Recording:
+    """Replay ``trace`` on the ``vllm`` target, recording its calls into vLLM; run in a
+    supervised worker, whose ``journal`` names each operation before it runs."""
+    if journal is not None:
+        journal.begin(trace)
+    harness = Harness(trace.config, target="vllm", journal=journal)
     allocator = harness.engine.allocator
     if not isinstance(allocator, VllmAllocator):
         raise ConfigError(f"kvprop report: the vllm target built a {type(allocator).__name__}, not vLLM's manager")
