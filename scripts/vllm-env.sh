@@ -27,12 +27,13 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 DIR=${2:-$REPO/.venv-vllm-$VERSION}
 PY="$DIR/bin/python"
 
-# kvprop is installed from this checkout, and its command starts (an entry point moved since
-# the install leaves a command that does not)
+# kvprop is installed from this checkout, and its command and its pytest plugin load (an entry
+# point moved since the install leaves ones that do not)
 kvprop_ok() {
   # (run from / so that a checkout in the working directory does not stand in for the install)
   [ -x "$PY" ] && [ "$(cd / && "$PY" -c 'import kvprop, os; print(os.path.dirname(os.path.dirname(os.path.abspath(kvprop.__file__))))' 2>/dev/null)" = "$REPO" ] \
-    && "$DIR/bin/kvprop" --version >/dev/null 2>&1
+    && "$DIR/bin/kvprop" --version >/dev/null 2>&1 \
+    && (cd / && "$PY" -c "from importlib.metadata import entry_points as e; [p.load() for p in e(group='pytest11') if p.name == 'kvprop']") >/dev/null 2>&1
 }
 
 # The stamp names what the environment was checked for: the manager target ("VERSION") and,
