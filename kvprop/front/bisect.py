@@ -23,10 +23,10 @@ import attrs
 
 from kvprop.errors import ConfigError
 from kvprop.exits import EXIT_CLEAN, EXIT_FOUND, EXIT_INTERNAL
+from kvprop.targets.protocol import VLLM_TARGETS
 
 VERSION = r"\d+\.\d+(?:\.\d+)?"
 RANGE = re.compile(rf"^({VERSION})\.\.({VERSION})$")
-VLLM_TARGETS = ("vllm", "vllm-scheduler")
 REPLAY_TIMEOUT = 900  # seconds for one release's replay, its start-up included
 
 

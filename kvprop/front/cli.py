@@ -116,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvprop.front import bisect
     from kvprop.front import commands as c
     from kvprop.front import fuzz_command as fc
+    from kvprop.targets.protocol import VLLM_TARGETS
 
     p = argparse.ArgumentParser(prog="kvprop", description=__doc__.split("\n")[0], formatter_class=_Formatter)
     p.add_argument("--version", action="version", version=f"kvprop {__version__}")
@@ -128,6 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(func=func)
         return sp
 
+    def call_timeout_arg(sp, what: str = "the target", during: str = "") -> None:
+        sp.add_argument(
+            "--call-timeout",
+            type=seconds,
+            default=CALL_TIMEOUT,
+            help=f"seconds {what} may take without progress{during} before it is a target-hang find",
+        )
+
     def target_args(
         sp, variant_help="bug variant of kvprop's allocator (see `kvprop variants`); kvprop target only", more=""
     ):
@@ -139,13 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
             "or package.module:factory" + more,
         )
         sp.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present, else cpu)")
-        sp.add_argument(
-            "--call-timeout",
-            type=seconds,
-            default=CALL_TIMEOUT,
-            help="seconds the target may take without progress (importing, building, one operation) "
-            "before it is a target-hang find",
-        )
+        call_timeout_arg(sp, during=" (importing, building, one operation)")
 
     f = command("fuzz", fc.cmd_fuzz, "search for a violation until the budget ends (exit 1 found, 0 clean)")
     f.add_argument("--seconds", type=seconds, default=60.0, help="time budget, counted from the command's start")
@@ -217,12 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rp.add_argument("file")
     rp.add_argument("--out", default=None, help="folder for repro.py and REPORT.md (default: FILE's name + .report)")
-    rp.add_argument(
-        "--call-timeout",
-        type=seconds,
-        default=CALL_TIMEOUT,
-        help="seconds vLLM may take without progress while the trace is replayed before it is a target-hang find",
-    )
+    call_timeout_arg(rp, "vLLM", " while the trace is replayed")
 
     b = command("bugs", fc.cmd_bugs, "fuzz every bug variant from scratch and tabulate (exit 0: all found)")
     b.add_argument("--seconds-per-bug", type=seconds, default=30.0, help="budget per variant")
@@ -258,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     bi = command("bisect", bisect.cmd_bisect, "replay a find on every vLLM release in a range (exit 1: some affected)")
     bi.add_argument("file")
     bi.add_argument("--releases", required=True, metavar="FIRST..LAST", help="e.g. 0.22.1..0.34.0, both included")
-    bi.add_argument("--target", default=None, choices=("vllm", "vllm-scheduler"), help="default: the trace's target")
+    bi.add_argument("--target", default=None, choices=VLLM_TARGETS, help="default: the trace's target")
     bi.add_argument(
         "--envs",
         default=".venv-vllm-",
@@ -311,12 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ag.add_argument("--json", action="store_true", help="print one JSON object")
     ag.add_argument("--out", default="counterexamples", help="where a target that dies or hangs is saved")
-    ag.add_argument(
-        "--call-timeout",
-        type=seconds,
-        default=CALL_TIMEOUT,
-        help="seconds the target may take without progress before it is a target-hang find",
-    )
+    call_timeout_arg(ag)
 
     bench = command("bench", c.cmd_bench, "throughput, scaling and time-to-find tables")
     bench.add_argument("--json", action="store_true", help="one JSON object instead of tables")

@@ -271,14 +271,17 @@ def _take_release_rules(args) -> str:
     names them."""
     from importlib.metadata import PackageNotFoundError, version
 
+    from kvprop.targets.protocol import VLLM_TARGETS
     from kvprop.targets.vllm.loading import INSTALL_HINT
     from kvprop.targets.vllm.releases import as_flags, release_rules
 
     given = as_flags(_release_options(args))
     if given:
         raise ConfigError(f"--release-rules sets {given} itself: give one or the other")
-    if args.target not in ("vllm", "vllm-scheduler"):
-        raise ConfigError(f"--release-rules applies to the vLLM targets (vllm, vllm-scheduler), not {args.target!r}")
+    if args.target not in VLLM_TARGETS:
+        raise ConfigError(
+            f"--release-rules applies to the vLLM targets ({', '.join(VLLM_TARGETS)}), not {args.target!r}"
+        )
     try:
         installed = version("vllm")
     except PackageNotFoundError:

@@ -241,6 +241,8 @@ REGISTRY = {
         ),
     )
 }
+# The targets that drive vLLM's own code: the registry's, by the package they drive.
+VLLM_TARGETS = tuple(name for name, t in REGISTRY.items() if t.package == "vllm")
 NAMES = "'kvprop', 'vllm', 'vllm-scheduler' or 'package.module:factory'"
 
 
