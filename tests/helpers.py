@@ -6,7 +6,11 @@ They drive the allocator exactly as an engine does (hit search, allocate_slots, 
 
 from __future__ import annotations
 
+import ast
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 from kvprop.allocator.hashing import fingerprint
 from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow
@@ -200,3 +204,33 @@ def add_op(parent, cut, extra, max_new_tokens) -> dict:
         "seed": 0,
         "max_new_tokens": max_new_tokens,
     }
+
+
+# ---- kvprop report's reproducers ------------------------------------------------------------
+
+# Runs repro.py isolated (-I: no PYTHONPATH, no script folder on sys.path) with every import of
+# kvprop refused: the script must run where only vLLM is installed.
+WITHOUT_KVPROP = "import runpy, sys; sys.modules['kvprop'] = None; runpy.run_path('repro.py', run_name='__main__')"
+
+
+def reported(tmp_path, trace) -> tuple[int, Path]:
+    """``kvprop report`` of ``trace`` into ``tmp_path / "report"``: (exit code, the folder)."""
+    from kvprop.front.cli import main
+    from kvprop.search import trace as tr
+
+    path, out = tmp_path / "find.json", tmp_path / "report"
+    tr.save(trace, path)
+    return main(["report", str(path), "--out", str(out)]), out
+
+
+def run_reproducer(folder: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-I", "-c", WITHOUT_KVPROP], cwd=folder, capture_output=True, text=True, timeout=600
+    )
+
+
+def imported_modules(source: str) -> set[str]:
+    nodes = ast.walk(ast.parse(source))
+    names = [a.name for n in nodes if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom) and n.module]
+    return {name.split(".")[0] for name in names}

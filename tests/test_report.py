@@ -1,6 +1,6 @@
-"""``kvprop report`` takes only finds on vLLM's manager target: anything else is exit 2 with a
-message naming what it takes, and no traceback (the reproducers themselves are tested with
-vLLM installed, in tests/test_vllm_target.py)."""
+"""``kvprop report`` takes only finds on vLLM's targets: anything else is exit 2 with a message
+naming what it takes, and no traceback (the reproducers themselves are tested with vLLM
+installed, in tests/test_vllm_target.py and tests/test_vllm_scheduler.py)."""
 
 from __future__ import annotations
 
@@ -23,17 +23,24 @@ def report(tmp_path, capsys, trace, *extra) -> tuple[int, str]:
 
 def test_a_find_on_kvprops_own_allocator_is_refused_naming_the_vllm_target(tmp_path, capsys):
     code, err = report(tmp_path, capsys, motivating_trace())
-    assert (code, "is a find on kvprop's own allocator" in err, "target 'vllm'" in err) == (2, True, True)
+    assert (code, "is a find on kvprop's own allocator" in err, "'vllm-scheduler'" in err) == (2, True, True)
 
 
-def test_a_find_on_vllms_scheduler_is_refused_as_not_supported_yet(tmp_path, capsys):
-    code, err = report(tmp_path, capsys, attrs.evolve(motivating_trace(), target="vllm-scheduler", variant=None))
-    assert (code, "not supported yet" in err) == (2, True)
+def test_a_target_other_than_vllms_is_refused_by_name(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        report(tmp_path, capsys, motivating_trace(), "--target", "kvprop")
+    err = capsys.readouterr().err
+    assert (exited.value.code, "invalid choice: 'kvprop'" in err, "'vllm-scheduler'" in err) == (2, True, True)
+
+
+def test_a_scheduler_find_naming_a_variant_is_refused(tmp_path, capsys):
+    code, err = report(tmp_path, capsys, motivating_trace(), "--target", "vllm-scheduler")
+    assert (code, "names variant 'interleaved-external-alloc'" in err) == (2, True)
 
 
 def test_a_find_on_a_users_target_is_refused(tmp_path, capsys):
     code, err = report(tmp_path, capsys, attrs.evolve(motivating_trace(), target="mypkg.alloc:make", variant=None))
-    assert (code, "target 'mypkg.alloc:make'" in err, "target 'vllm'" in err) == (2, True, True)
+    assert (code, "target 'mypkg.alloc:make'" in err, "targets 'vllm'" in err) == (2, True, True)
 
 
 def test_a_vllm_find_naming_a_variant_is_refused(tmp_path, capsys):

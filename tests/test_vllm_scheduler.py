@@ -21,7 +21,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 vllm = __import__("vllm") if os.environ.get("KVPROP_REQUIRE_VLLM") else pytest.importorskip("vllm")
 
 from helpers import add_op as add  # noqa: E402
-from helpers import checkpoint_find  # noqa: E402
+from helpers import checkpoint_find, imported_modules, report_find, reported, run_reproducer  # noqa: E402
 from packaging.version import Version  # noqa: E402
 
 from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow  # noqa: E402
@@ -560,3 +560,56 @@ def test_bisect_names_the_release_of_this_environment_affected_where_the_find_is
     result = json.loads(run.stdout)
     expected = ([release], []) if RELEASE >= (0, 34) else ([], [release])
     assert (result["affected"], result["passes"]) == expected, run.stderr
+
+
+# ---- kvprop report on the scheduler: reproducers that need only vLLM ----------------------------
+
+
+@pytest.mark.skipif(RELEASE < (0, 34), reason="the offloading worker reports failed loads from 0.34.0")
+def test_the_report_of_a_liveness_find_is_a_script_whose_drain_never_ends_without_kvprop(tmp_path):
+    code, out = reported(tmp_path, tr.load(Path(__file__).parent / "data" / "failed-load-among-block-holders.json"))
+    run = run_reproducer(out)
+    last = run.stderr.strip().splitlines()[-1]
+    assert (code, run.returncode, last.startswith("AssertionError: liveness: 2 request(s) still unfinished")) == (
+        0,
+        1,
+        True,
+    )
+
+
+@pytest.mark.skipif(RELEASE < (0, 34), reason="the offloading worker reports failed loads from 0.34.0")
+def test_a_scheduler_reproducer_imports_only_vllm_torch_and_the_standard_library(tmp_path):
+    _, out = reported(tmp_path, tr.load(Path(__file__).parent / "data" / "failed-load-among-block-holders.json"))
+    modules = imported_modules((out / "repro.py").read_text())
+    assert modules == {"collections", "inspect", "json", "os", "sys", "tempfile", "torch", "vllm"}
+
+
+@pytest.mark.skipif(RELEASE < (0, 34), reason="the offloading worker reports failed loads from 0.34.0")
+def test_the_report_of_a_scheduler_find_lists_its_steps_and_the_failed_load(tmp_path):
+    _, out = reported(tmp_path, tr.load(Path(__file__).parent / "data" / "failed-load-among-block-holders.json"))
+    lines = (out / "REPORT.md").read_text().splitlines()
+    assert (lines[0], "- the worker's load for `r3` fails (reported by request)" in lines) == (
+        f"# vLLM {vllm.__version__}: with arrivals stopped, every request ends and every block returns (broken)",
+        True,
+    )
+
+
+@pytest.mark.skipif(RELEASE < (0, 23), reason="0.22.1 hands no hit of a one-token prompt to a load")
+def test_the_report_of_a_block_handed_to_a_load_checks_each_allocation_for_external_tokens(tmp_path):
+    code, out = reported(tmp_path, ONE_TOKEN_RELOAD)
+    last = run_reproducer(out).stderr.strip().splitlines()[-1]
+    said = "AssertionError: block 2 handed to the connector for 'r1' group 0 is not its own alone and uncached"
+    assert (code, last.startswith(said)) == (0, True)
+
+
+@pytest.mark.skipif(RELEASE < (0, 30), reason="the full report is new in 0.30.0")
+def test_the_report_of_an_event_find_replays_the_events_a_router_would(tmp_path):
+    code, out = reported(tmp_path, report_find("skipped-positions", target="vllm-scheduler"))
+    last = run_reproducer(out).stderr.strip().splitlines()[-1]
+    assert (code, last.startswith("AssertionError: a hit's block announced again (BlockStored)")) == (0, True)
+
+
+@pytest.mark.skipif(RELEASE >= (0, 33), reason="0.33.0 reserves what the requests ahead of a load need")
+def test_the_report_of_a_loaded_request_waiting_behind_a_blocked_one_fails_before_0_33(tmp_path):
+    code, out = reported(tmp_path, LOADED_BEHIND_BLOCKED)
+    assert (code, run_reproducer(out).returncode) == (0, 1)

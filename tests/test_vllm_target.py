@@ -12,12 +12,9 @@ untouched hits (the motivating bug); 0.24.0 has the two-phase fix (vLLM PR #4440
 
 from __future__ import annotations
 
-import ast
 import collections
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +24,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 vllm = __import__("vllm") if os.environ.get("KVPROP_REQUIRE_VLLM") else pytest.importorskip("vllm")
 
 import attrs  # noqa: E402
-from helpers import checkpoint_find, motivating_trace, report_find  # noqa: E402
+from helpers import checkpoint_find, imported_modules, motivating_trace, report_find, reported, run_reproducer  # noqa: E402
 from hypothesis import Phase, settings  # noqa: E402
 from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
 from packaging.version import Version  # noqa: E402
@@ -456,31 +453,6 @@ def test_the_manager_target_builds_what_vllm_starts_with():
 
 
 # ---- kvprop report: reproducers that need only vLLM -------------------------------------------
-
-# Runs repro.py isolated (-I: no PYTHONPATH, no script folder on sys.path) with every import of
-# kvprop refused: the script must run where only vLLM is installed.
-WITHOUT_KVPROP = "import runpy, sys; sys.modules['kvprop'] = None; runpy.run_path('repro.py', run_name='__main__')"
-
-
-def reported(tmp_path, trace) -> tuple[int, Path]:
-    from kvprop.front.cli import main
-
-    path, out = tmp_path / "find.json", tmp_path / "report"
-    tr.save(trace, path)
-    return main(["report", str(path), "--out", str(out)]), out
-
-
-def run_reproducer(folder: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-I", "-c", WITHOUT_KVPROP], cwd=folder, capture_output=True, text=True, timeout=600
-    )
-
-
-def imported_modules(source: str) -> set[str]:
-    nodes = ast.walk(ast.parse(source))
-    names = [a.name for n in nodes if isinstance(n, ast.Import) for a in n.names]
-    names += [n.module for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom) and n.module]
-    return {name.split(".")[0] for name in names}
 
 
 @pytest.mark.skipif(RELEASE < (0, 33), reason="hits inside a block follow 0.33.0's rules from 0.33.0 only")

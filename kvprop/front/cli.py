@@ -215,10 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
     rp = command(
         "report",
         report.cmd_report,
-        "write a find on target 'vllm' as a reproducer needing only vLLM (exit 0 written, 2 cannot, "
+        "write a find on a vLLM target as a reproducer needing only vLLM (exit 0 written, 2 cannot, "
         "1 vLLM died or hung replaying it)",
     )
     rp.add_argument("file")
+    rp.add_argument(
+        "--target", default=None, choices=report.REPORTED, help="the target to replay on (default: the trace's)"
+    )
     rp.add_argument("--out", default=None, help="folder for repro.py and REPORT.md (default: FILE's name + .report)")
     call_timeout_arg(rp, "vLLM", " while the trace is replayed")
 

@@ -1,8 +1,10 @@
-"""``kvprop report TRACE``: a find on vLLM's manager target as a reproducer vLLM's maintainers run without kvprop.
+"""``kvprop report TRACE``: a find on a vLLM target as a reproducer vLLM's maintainers run without kvprop.
 
-It replays the trace on the ``vllm`` target in a supervised worker (vLLM's code never runs in
-kvprop's own process), recording the calls into vLLM (``kvprop.repro.vllm_record``), writes
-``repro.py`` (``kvprop.repro.vllm_script``) and ``REPORT.md`` into the output folder, then runs
+It replays the trace on its target in a supervised worker (vLLM's code never runs in kvprop's
+own process), recording what kvprop asked of vLLM (``kvprop.repro.vllm_record`` for the
+manager, ``vllm_scheduler_record`` for the scheduler), writes ``repro.py``
+(``vllm_script``, ``vllm_scheduler_script``) and ``REPORT.md`` (``report_page``) into the
+output folder, then runs
 the script with this interpreter, isolated and with kvprop made unimportable: only a script
 that exits 1 on the installed release is kept, so a report never holds a reproducer that
 cannot fail. Exit 0 written; 2 a trace or find it cannot report (the message says which
@@ -18,9 +20,12 @@ import sys
 import textwrap
 from pathlib import Path
 
+import attrs
+
 from kvprop.errors import ConfigError
 from kvprop.exits import EXIT_CLEAN
 from kvprop.front.commands import died_find
+from kvprop.repro.report_page import Page, manager_steps, markdown, scheduler_steps
 from kvprop.search.supervisor import Died, Supervisor
 from kvprop.search.trace import Trace
 from kvprop.targets.vllm.loading import INSTALL_HINT
@@ -30,19 +35,18 @@ SCRIPT_TIMEOUT = 600  # seconds: importing vLLM and replaying a minimised trace 
 WITHOUT_KVPROP = "import runpy, sys; sys.modules['kvprop'] = None; runpy.run_path('repro.py', run_name='__main__')"
 
 
+REPORTED = ("vllm", "vllm-scheduler")
+
+
 def check_reportable(trace: Trace, source: str) -> None:
     """Only finds on the ``vllm`` target, replayed on vLLM as it is, are reported."""
     target = trace.target
-    if target == "vllm-scheduler":
-        raise ConfigError(
-            f"{source} is a find on target 'vllm-scheduler'; reproducers for vLLM's Scheduler are not "
-            "supported yet; allowed: a trace of target 'vllm' (vLLM's KVCacheManager)"
-        )
-    if target != "vllm":
+    if target not in REPORTED:
         named = "kvprop's own allocator" if target in (None, "kvprop") else f"target {target!r}"
         raise ConfigError(
-            f"{source} is a find on {named}; kvprop report writes reproducers for target 'vllm' "
-            "(vLLM's KVCacheManager) only; for other targets, kvprop emit-test writes a regression test"
+            f"{source} is a find on {named}; kvprop report writes reproducers for targets 'vllm' "
+            "(vLLM's KVCacheManager) and 'vllm-scheduler' (its Scheduler) only; for other targets, "
+            "kvprop emit-test writes a regression test"
         )
     if trace.variant not in (None, "correct"):
         raise ConfigError(f"{source} names variant {trace.variant!r}; a vllm find runs on vLLM as it is (no variant)")
@@ -52,13 +56,15 @@ def cmd_report(args) -> int:
     from kvprop.search import trace as tr
 
     trace = tr.load(args.file)
+    if args.target:
+        trace = attrs.evolve(trace, target=args.target)
     check_reportable(trace, args.file)
     out = Path(args.out) if args.out else Path(args.file).with_suffix(".report")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {str(out)!r} is a file; give a folder")
     if importlib.util.find_spec("vllm") is None:  # looked for, not imported: vLLM runs only in the worker
         raise ConfigError(f"kvprop report needs vLLM importable; {INSTALL_HINT}")
-    with Supervisor("vllm", None, None, args.call_timeout) as supervisor:
+    with Supervisor(trace.target, None, None, args.call_timeout) as supervisor:
         try:
             supervisor.call(report_here, {"trace": tr.to_dict(trace), "out": str(out)})
         except Died as died:  # vLLM's process died or hung while replaying: a find of its own
@@ -78,26 +84,9 @@ def report_here(trace: dict, out: str, journal=None) -> None:
 
 def write_report(trace: Trace, out: Path, version: str, journal=None) -> None:
     """Record, render, write and verify; a find the script cannot state is a ConfigError."""
-    from kvprop.check.kinds import KINDS
-    from kvprop.repro import vllm_script as vs
-    from kvprop.repro.vllm_record import record
-    from kvprop.targets.vllm.config import manager_arguments
-
-    recording = record(trace, journal)
-    failure = recording.failure
-    if failure is None:
-        raise ConfigError(f"the trace does not fail on vLLM {version}: there is nothing to reproduce")
-    if not vs.supported(failure.kind):
-        raise ConfigError(
-            f"the find is {failure.kind!r}, which kvprop report cannot state from vLLM's manager alone; "
-            f"supported kinds: {', '.join(vs.SUPPORTED)}"
-        )
-    if failure.kind == "target-crash" and not recording.calls:
-        raise ConfigError(f"the crash on vLLM {version} comes before any call into vLLM: nothing to reproduce")
-    kwargs, env = manager_arguments(recording.allocator.config)
-    vs.check_constructors(kwargs)
-    sentence = KINDS[failure.kind].sentence if failure.kind in KINDS else "vLLM's KVCacheManager raises no exception"
-    script = vs.render(recording, trace.steps, failure.kind, sentence, version, (kwargs, env))
+    written = scheduler_script if trace.target == "vllm-scheduler" else manager_script
+    failure, script, configuration, steps, component = written(trace, version, journal)
+    sentence = _sentence(failure.kind)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "repro.py"
     path.write_text(script, encoding="utf-8")
@@ -115,9 +104,64 @@ def write_report(trace: Trace, out: Path, version: str, journal=None) -> None:
             f"reproduced by vLLM's calls alone; nothing written. Its output ends: "
             f"{_last_line(run.stderr or run.stdout)}"
         )
-    text = markdown(recording, trace.steps, failure, sentence, version, script, _last_line(run.stderr))
-    text = text.replace("## Configuration\n\n", "## Configuration\n\n" + _groups(kwargs["kv_cache_config"]), 1)
-    (out / "REPORT.md").write_text(text, encoding="utf-8")
+    page = Page(component, version, failure, sentence, configuration, steps, _last_line(run.stderr))
+    (out / "REPORT.md").write_text(markdown(page), encoding="utf-8")
+
+
+def _checked(failure, supported, target: str, version: str):
+    """The find, if the script can state it."""
+    if failure is None:
+        raise ConfigError(f"the trace does not fail on vLLM {version}: there is nothing to reproduce")
+    if failure.kind not in supported:
+        raise ConfigError(
+            f"the find is {failure.kind!r}, which kvprop report cannot state from vLLM alone on target "
+            f"{target!r}; supported kinds: {', '.join(supported)}"
+        )
+    return failure
+
+
+def _sentence(kind: str) -> str:
+    from kvprop.check.kinds import KINDS
+
+    return KINDS[kind].sentence if kind in KINDS else "vLLM raises no exception"
+
+
+def scheduler_script(trace: Trace, version: str, journal):
+    """The find on vLLM's scheduler: (failure, script, configuration, steps, component)."""
+    from kvprop.repro import vllm_scheduler_script as vs
+    from kvprop.repro.vllm_scheduler_record import record_scheduler
+
+    recording = record_scheduler(trace, journal)
+    failure = _checked(recording.failure, vs.SUPPORTED, "vllm-scheduler", version)
+    script = vs.render(recording, trace.steps, failure.kind, _sentence(failure.kind), version)
+    configuration = _section(script, "# ---- the scheduler, as kvprop built it", "except TypeError")
+    return failure, script, configuration, scheduler_steps(recording, trace.steps), "Scheduler"
+
+
+def manager_script(trace: Trace, version: str, journal):
+    """The find on vLLM's manager: (failure, script, configuration, steps, component)."""
+    from kvprop.repro import vllm_script as vs
+    from kvprop.repro.vllm_record import record
+    from kvprop.targets.vllm.config import manager_arguments
+
+    recording = record(trace, journal)
+    failure = _checked(recording.failure, vs.SUPPORTED, "vllm", version)
+    if failure.kind == "target-crash" and not recording.calls:
+        raise ConfigError(f"the crash on vLLM {version} comes before any call into vLLM: nothing to reproduce")
+    kwargs, env = manager_arguments(recording.allocator.config)
+    vs.check_constructors(kwargs)
+    script = vs.render(recording, trace.steps, failure.kind, _sentence(failure.kind), version, (kwargs, env))
+    configuration = _groups(kwargs["kv_cache_config"]) + _section(
+        script, "    manager = KVCacheManager(", "except TypeError"
+    )
+    return failure, script, configuration, manager_steps(recording, trace.steps), "KVCacheManager"
+
+
+def _section(script: str, start: str, end: str) -> str:
+    """The script's lines from ``start`` up to ``end``, as a Python block."""
+    at = script.index(start)
+    text = textwrap.dedent(script[at : script.index(end, at)]).rstrip()
+    return f"```python\n{text}\n```\n"
 
 
 def _groups(kv_cache_config) -> str:
@@ -134,70 +178,3 @@ def _groups(kv_cache_config) -> str:
 def _last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1].strip() if lines else "(no output)"
-
-
-def _words(call) -> str:
-    """One call in plain words."""
-    if call.name == "Request":
-        return f"request `{call.args[0]}` arrives: {len(call.args[1])} prompt tokens, max_tokens={call.args[2]}"
-    if call.name == "append_output_token_ids":
-        return f"`{call.args[0]}` gets {len(call.args[1])} output token(s)"
-    if call.name in ("num_computed_tokens", "shared_prefix_boundary"):
-        return f"`{call.args[0]}`.{call.name} = {call.args[1]}"
-    from kvprop.repro.vllm_script import call_lines
-
-    said = call_lines(call)[0].split("  # ")[0]
-    return f"`{said}`" + (f": {call.outcome}" if call.outcome else "")
-
-
-def markdown(recording, steps, failure, sentence: str, version: str, script: str, actual: str) -> str:
-    from kvprop.repro.vllm_script import where
-
-    start, end = script.index("    manager = KVCacheManager("), script.index("except TypeError")
-    title = (
-        f"vLLM {version}: KVCacheManager raises {failure.exception or 'an exception'}"
-        if failure.kind == "target-crash"
-        else f"vLLM {version}: {sentence} (broken)"
-    )
-    lines = [
-        f"# {title}",
-        "",
-        f"Engine: vLLM's v1 `KVCacheManager`, vLLM {version}, driven by kvprop's scheduler through its public calls.",
-        f"Find: `{failure.kind}`, as kvprop names it; the steps below are the calls a kvprop trace made into vLLM.",
-        "",
-        "## Configuration",
-        "",
-        "```python",
-        textwrap.dedent(script[start:end]).rstrip(),
-        "```",
-        "",
-        "## Steps",
-        "",
-    ]
-    last_op = None
-    for call in recording.calls:
-        if call.op != last_op:
-            lines.append(f"From {where(call.op, steps)}:")
-            lines.append("")
-            last_op = call.op
-        if call.name == "new_step_starts":
-            lines.append("- a new engine step starts (`manager.new_step_starts()`)")
-            continue
-        lines.append(f"- {_words(call)}")
-    expected = "every call returns without an exception" if failure.kind == "target-crash" else sentence
-    lines += [
-        "",
-        "## Expected and actual",
-        "",
-        f"- Expected: {expected}.",
-        f"- Actual (kvprop): {failure.message}",
-        f"- Actual (repro.py): `{actual}`",
-        "",
-        "## Running it",
-        "",
-        f"In an environment with vLLM {version} (and its torch), nothing else: `python repro.py`.",
-        "It exits 1 while the bug is present (an AssertionError, or vLLM's own exception), 0 once it is fixed,",
-        "2 where the installed vLLM does not take this configuration (another release's API).",
-        "",
-    ]
-    return "\n".join(lines)

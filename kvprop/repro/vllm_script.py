@@ -15,6 +15,7 @@ import dataclasses
 import enum
 
 from kvprop.errors import ConfigError
+from kvprop.repro.script_events import EVENT_KINDS, EVENTS
 from kvprop.repro.vllm_record import MANAGER_CALLS, Call, Computed, Recording, Req
 
 # The broken property, over vLLM's state, for each kind a script can state from it alone.
@@ -61,7 +62,7 @@ counted = manager.block_pool.get_num_free_blocks()
 assert counted == linked, f"get_num_free_blocks() says {counted}, but {linked} blocks are linked into the free queue"
 """,
 }
-SUPPORTED = ("target-crash", *CHECKS)
+SUPPORTED = ("target-crash", *EVENT_KINDS, *CHECKS)
 
 
 def supported(kind: str) -> bool:
@@ -200,6 +201,14 @@ def render(recording: Recording, steps: tuple, kind: str, sentence: str, version
         "requests = {}  # request id -> vLLM Request",
         "freed = set()  # the requests freed",
     ]
+    if kind in EVENT_KINDS:
+        header += [
+            f"from {v.kv_events.__name__} import AllBlocksCleared, BlockRemoved, BlockStored",
+            *EVENTS.strip("\n").splitlines(),
+            "",
+            "",
+            "watch_events(manager)",
+        ]
     body: list[str] = []
     last_op, engine_step = None, 0
     for call in recording.calls:
@@ -215,6 +224,13 @@ def render(recording: Recording, steps: tuple, kind: str, sentence: str, version
             "",
             f"# The last call above raises on vLLM {version}: kvprop's target-crash find.",
             'print("OK: no exception; the crash is fixed")',
+        ]
+    elif kind in EVENT_KINDS:
+        tail = [
+            "",
+            f"# The property kvprop found broken ({kind}): {sentence}.",
+            "manager.take_events()  # the events it holds for its next publication",
+            f'print("OK: {kind} holds; the bug is fixed")',
         ]
     else:
         tail = [

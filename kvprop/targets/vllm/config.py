@@ -30,6 +30,7 @@ from kvprop.allocator.specs import (
 )
 from kvprop.errors import ConfigError
 from kvprop.targets.vllm.loading import INSTALL_HINT, import_scheduler, import_vllm
+from kvprop.targets.vllm.recipe import Recipe
 from kvprop.targets.vllm.releases import allocator_refusal
 
 _MODEL_DIRS: dict[int, str] = {}
@@ -218,44 +219,52 @@ def manager_arguments(config: AllocatorConfig) -> tuple[dict, dict]:
     return call_kwargs("KVCacheManager()", params, wanted), retention.get("env", {})
 
 
+def tiny_model(vocab: int) -> dict:
+    """The ``config.json`` of a tiny Llama: vLLM's ``ModelConfig`` reads the architecture from it."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "num_hidden_layers": 2,
+        "vocab_size": max(vocab, 32),
+        "max_position_embeddings": 1 << 20,
+        "rms_norm_eps": 1e-5,
+        "torch_dtype": "float32",
+    }
+
+
 def _model_dir(vocab: int) -> str:
-    """A directory holding only the ``config.json`` of a tiny Llama: vLLM's ``ModelConfig`` reads
-    the architecture from it; no weights and no tokenizer are ever loaded. Removed at exit."""
+    """A directory holding only ``tiny_model``'s ``config.json``; no weights and no tokenizer are
+    ever loaded. Removed at exit."""
     path = _MODEL_DIRS.get(vocab)
     if path is None:
         path = _MODEL_DIRS[vocab] = tempfile.mkdtemp(prefix="kvprop-vllm-model-")
         atexit.register(shutil.rmtree, path, True)
-        tiny = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "num_hidden_layers": 2,
-            "vocab_size": max(vocab, 32),
-            "max_position_embeddings": 1 << 20,
-            "rms_norm_eps": 1e-5,
-            "torch_dtype": "float32",
-        }
         with open(f"{path}/config.json", "w") as f:
-            json.dump(tiny, f)
+            json.dump(tiny_model(vocab), f)
     return path
 
 
-def _build(cls, what: str, **wanted):
+def _build(recipe: Recipe, name: str, cls, what: str, **wanted):
     """``cls(**wanted)`` with only the keyword arguments this release's ``cls`` accepts; one it
     lacks is dropped only at its neutral value (as the manager target's calls)."""
-    return cls(**call_kwargs(what, accepted(cls), wanted, target="vllm-scheduler"))
+    return recipe.make(name, cls, **call_kwargs(what, accepted(cls), wanted, target="vllm-scheduler"))
 
 
-def _tensor(v, layer: str, page: int, num_blocks: int):
+def _tensor(v, layer: str, page: int, num_blocks: int, recipe: Recipe):
     """One layer's KV cache tensor of ``num_blocks`` pages: ``shared_by`` up to 0.25.x; from 0.30.0
-    a placement (layer-outermost: the layer's pages in a row)."""
-    if "shared_by" in inspect.signature(v.kvi.KVCacheTensor).parameters:
-        return v.kvi.KVCacheTensor(size=page * num_blocks, shared_by=[layer])
+    a placement (layer-outermost: the layer's pages in a row). A reproducer states it as
+    ``tensor(layer, page, num_blocks)``, which makes the same choice."""
     size = page * num_blocks
-    return v.kvi.KVCacheTensor(size=size, layers=[layer], layer_stride=size, block_stride=page)
+    if "shared_by" in inspect.signature(v.kvi.KVCacheTensor).parameters:
+        made = v.kvi.KVCacheTensor(size=size, shared_by=[layer])
+    else:
+        made = v.kvi.KVCacheTensor(size=size, layers=[layer], layer_stride=size, block_stride=page)
+    recipe.express(made, f"tensor({layer!r}, {page!r}, {num_blocks!r})")
+    return made
 
 
 def _cpu_block_bytes(page: int) -> int:
@@ -267,13 +276,16 @@ def _cpu_block_bytes(page: int) -> int:
     return -(-page // align) * align
 
 
-def _core_configs(config: EngineConfig, vc, max_len: int):
+def _core_configs(config: EngineConfig, vc, max_len: int, recipe: Recipe):
     """vLLM's model, cache and scheduler configurations for ``config``, each validating itself as
     it is built (a tiny Llama stands for the model: its size matters to nothing kvprop drives)."""
     alloc = config.allocator
     bs = alloc.block_size
     modes = {spec.mode for spec in alloc.groups if isinstance(spec, Mamba)}
+    recipe.model_dir, recipe.model = _model_dir(config.vocab), tiny_model(config.vocab)
     model = _build(
+        recipe,
+        "model_config",
         vc.ModelConfig,
         "ModelConfig",
         model=_model_dir(config.vocab),
@@ -282,14 +294,18 @@ def _core_configs(config: EngineConfig, vc, max_len: int):
         max_model_len=max_len,
     )
     cache = _build(
+        recipe,
+        "cache_config",
         vc.CacheConfig,
         "CacheConfig",
         block_size=bs,
         enable_prefix_caching=alloc.enable_caching,
         **({"mamba_cache_mode": modes.pop()} if modes else {}),
     )
-    cache.num_gpu_blocks = alloc.num_blocks
+    recipe.assign(cache, "num_gpu_blocks", alloc.num_blocks)
     scheduler_config = _build(
+        recipe,
+        "scheduler_config",
         vc.SchedulerConfig,
         "SchedulerConfig",
         # kvprop's limit where it sets one (vLLM refuses one above the token budget), else the
@@ -314,7 +330,7 @@ def check_startup(config: EngineConfig) -> None:
     v, vc, alloc = s.v, s.config, config.allocator
     max_len = max(1, alloc.block_size * (alloc.usable_blocks // len(alloc.groups)))
     try:
-        model, cache, scheduler_config = _core_configs(config, vc, max_len)
+        model, cache, scheduler_config = _core_configs(config, vc, max_len, Recipe())
         vllm_config = vc.VllmConfig(
             model_config=model,
             cache_config=cache,
@@ -328,9 +344,11 @@ def check_startup(config: EngineConfig) -> None:
         raise ConfigError(f"target 'vllm': vLLM {v.version} refuses to start with {config}: {e}") from e
 
 
-def build_scheduler(config: EngineConfig):
+def build_scheduler(config: EngineConfig, recipe: Recipe | None = None):
     """vLLM's ``Scheduler`` for ``config``, configured as vLLM's engine configures it for this
-    release (synchronous scheduling: the engine's other mode overlaps steps, not modelled)."""
+    release (synchronous scheduling: the engine's other mode overlaps steps, not modelled).
+    Every vLLM object is made through ``recipe``, which keeps the calls (``kvprop report``)."""
+    recipe = recipe if recipe is not None else Recipe()
     s = import_scheduler()
     v, vc, alloc = s.v, s.config, config.allocator
     bs = alloc.block_size
@@ -344,11 +362,13 @@ def build_scheduler(config: EngineConfig):
         raise ConfigError(f"target 'vllm-scheduler': {alloc.usable_blocks} usable blocks hold no request of {alloc}")
     retention = _retention_setting(alloc, v)
     try:
-        model, cache, scheduler_config = _core_configs(config, vc, max_len)
+        model, cache, scheduler_config = _core_configs(config, vc, max_len, recipe)
         extra = {}
         if config.speculative_tokens:
             # n-gram drafting: drafts come from the worker after each step, no lookahead slots
             extra["speculative_config"] = _build(
+                recipe,
+                "speculative_config",
                 vc.SpeculativeConfig,
                 "SpeculativeConfig",
                 method="ngram",
@@ -361,8 +381,10 @@ def build_scheduler(config: EngineConfig):
             # vLLM's native CPU offloading, scheduler side; the worker side is kvprop's. The
             # CPU tier is sized from the GPU tensors' bytes per block: twice the GPU pool.
             page = [spec.page_size_bytes for spec in vllm_specs(alloc, v)]
-            tensors = [_tensor(v, f"layer{g}", bytes_, alloc.num_blocks) for g, bytes_ in enumerate(page)]
+            tensors = [_tensor(v, f"layer{g}", bytes_, alloc.num_blocks, recipe) for g, bytes_ in enumerate(page)]
             extra["kv_transfer_config"] = _build(
+                recipe,
+                "kv_transfer_config",
                 vc.KVTransferConfig,
                 "KVTransferConfig",
                 kv_connector="OffloadingConnector",
@@ -371,19 +393,30 @@ def build_scheduler(config: EngineConfig):
                 kv_load_failure_policy=config.load_failure_policy,
             )
         if alloc.enable_kv_cache_events:
-            extra["kv_events_config"] = vc.KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+            extra["kv_events_config"] = recipe.make(
+                "kv_events_config", vc.KVEventsConfig, enable_kv_cache_events=True, publisher="null"
+            )
         if alloc.kv_cache_metrics:  # block residency metrics, every block sampled
             extra["observability_config"] = _build(
-                vc.ObservabilityConfig, "ObservabilityConfig", kv_cache_metrics=True, kv_cache_metrics_sample=1.0
+                recipe,
+                "observability_config",
+                vc.ObservabilityConfig,
+                "ObservabilityConfig",
+                kv_cache_metrics=True,
+                kv_cache_metrics_sample=1.0,
             )
-        vllm_config = vc.VllmConfig(
+        vllm_config = recipe.make(
+            "vllm_config",
+            vc.VllmConfig,
             model_config=model,
             cache_config=cache,
             scheduler_config=scheduler_config,
-            device_config=vc.DeviceConfig(device="cpu"),
+            device_config=recipe.make("device_config", vc.DeviceConfig, device="cpu"),
             **extra,
         )
-        kv_cache_config = v.kvi.KVCacheConfig(
+        kv_cache_config = recipe.make(
+            "kv_cache_config",
+            v.kvi.KVCacheConfig,
             num_blocks=alloc.num_blocks,
             kv_cache_tensors=tensors,
             kv_cache_groups=[
@@ -394,9 +427,9 @@ def build_scheduler(config: EngineConfig):
         # The engine's own start-up check between sizing the KV cache and building the scheduler
         # (EngineCore._initialize_kv_caches: 0.24.0 v1/engine/core.py:318): before 0.30.0 it
         # refuses a state group in mode "align" whose block is wider than the token budget (PR #34445)
-        cache.block_size = bs
+        recipe.assign(cache, "block_size", bs)
         try:
-            vllm_config.validate_block_size()
+            recipe.check(vllm_config, "validate_block_size")
         except AssertionError as e:
             raise ConfigError(f"target 'vllm-scheduler': vLLM {v.version} refuses to start with {config}: {e}") from e
         units = {}
@@ -410,11 +443,16 @@ def build_scheduler(config: EngineConfig):
                     f"got {alloc.hash_unit}"
                 )
             units["hash_block_size"] = alloc.unit
-        with _environment(retention.get("env", {})):
-            return s.Scheduler(
+        recipe.env = retention.get("env", {})
+        with _environment(recipe.env):
+            return recipe.make(
+                "scheduler",
+                s.Scheduler,
                 vllm_config=vllm_config,
                 kv_cache_config=kv_cache_config,
-                structured_output_manager=s.StructuredOutputManager(vllm_config),
+                structured_output_manager=recipe.make(
+                    "structured_output_manager", s.StructuredOutputManager, vllm_config
+                ),
                 block_size=bs,
                 log_stats=alloc.log_stats,
                 **units,

@@ -46,6 +46,7 @@ from kvprop.targets.vllm.config import build_scheduler
 from kvprop.targets.vllm.loading import import_scheduler
 from kvprop.targets.vllm.manager import CAPABILITIES, Hits, VllmAllocator
 from kvprop.targets.vllm.offload import OffloadWorker
+from kvprop.targets.vllm.recipe import Recipe
 from kvprop.targets.vllm.releases import scheduler_refusal
 from kvprop.targets.vllm.view import VllmView
 
@@ -74,7 +75,8 @@ class SchedulerEngine(OffloadWorker, Engine):
     preempts_on_request = False  # vLLM's scheduler preempts by its own policy, under pressure
 
     def __init__(self, config: EngineConfig, device=None, hooks=None):
-        self.scheduler = build_scheduler(config)
+        self.recipe = Recipe()  # the calls that built the scheduler (kvprop report states them)
+        self.scheduler = build_scheduler(config, self.recipe)
         self.s = import_scheduler()
         manager = self.scheduler.kv_cache_manager
         allocator = VllmAllocator.around(config.allocator, manager)
