@@ -613,3 +613,13 @@ def test_the_report_of_an_event_find_replays_the_events_a_router_would(tmp_path)
 def test_the_report_of_a_loaded_request_waiting_behind_a_blocked_one_fails_before_0_33(tmp_path):
     code, out = reported(tmp_path, LOADED_BEHIND_BLOCKED)
     assert (code, run_reproducer(out).returncode) == (0, 1)
+
+
+@pytest.mark.skipif(RELEASE < (0, 34), reason="the offloading worker reports failed loads from 0.34.0")
+def test_the_report_draws_the_pool_before_the_failing_operation_and_at_the_find(tmp_path):
+    import xml.etree.ElementTree as ET
+
+    _, out = reported(tmp_path, tr.load(Path(__file__).parent / "data" / "failed-load-among-block-holders.json"))
+    panels = {e.get("data-panel") for e in ET.fromstring((out / "failing-step.svg").read_text()).iter()}
+    linked = "![the pool and the block tables before and after the failing operation](failing-step.svg)"
+    assert (panels >= {"before", "after"}, linked in (out / "REPORT.md").read_text()) == (True, True)

@@ -30,6 +30,7 @@ from kvprop.search.supervisor import Died, Supervisor
 from kvprop.search.trace import Trace
 from kvprop.targets.vllm.loading import INSTALL_HINT
 
+PICTURE = "failing-step.svg"  # the pool and the block tables before the failing operation and at the find
 SCRIPT_TIMEOUT = 600  # seconds: importing vLLM and replaying a minimised trace take far less
 # Runs the reproducer with every import of kvprop refused, as a maintainer's environment has none.
 WITHOUT_KVPROP = "import runpy, sys; sys.modules['kvprop'] = None; runpy.run_path('repro.py', run_name='__main__')"
@@ -85,7 +86,7 @@ def report_here(trace: dict, out: str, journal=None) -> None:
 def write_report(trace: Trace, out: Path, version: str, journal=None) -> None:
     """Record, render, write and verify; a find the script cannot state is a ConfigError."""
     written = scheduler_script if trace.target == "vllm-scheduler" else manager_script
-    failure, script, configuration, steps, component = written(trace, version, journal)
+    failure, script, configuration, steps, component, around = written(trace, version, journal)
     sentence = _sentence(failure.kind)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "repro.py"
@@ -104,7 +105,21 @@ def write_report(trace: Trace, out: Path, version: str, journal=None) -> None:
             f"reproduced by vLLM's calls alone; nothing written. Its output ends: "
             f"{_last_line(run.stderr or run.stdout)}"
         )
-    page = Page(component, version, failure, sentence, configuration, steps, _last_line(run.stderr))
+    title = f"vLLM {version}: {failure.kind} on the {component}"
+    picture = around.picture(title)
+    if picture is not None:
+        (out / PICTURE).write_text(picture, encoding="utf-8")
+    page = Page(
+        component,
+        version,
+        failure,
+        sentence,
+        configuration,
+        steps,
+        _last_line(run.stderr),
+        PICTURE if picture is not None else None,
+        around.why_not,
+    )
     (out / "REPORT.md").write_text(markdown(page), encoding="utf-8")
 
 
@@ -127,7 +142,7 @@ def _sentence(kind: str) -> str:
 
 
 def scheduler_script(trace: Trace, version: str, journal):
-    """The find on vLLM's scheduler: (failure, script, configuration, steps, component)."""
+    """The find on vLLM's scheduler: (failure, script, configuration, steps, component, the pool around the find)."""
     from kvprop.repro import vllm_scheduler_script as vs
     from kvprop.repro.vllm_scheduler_record import record_scheduler
 
@@ -135,11 +150,11 @@ def scheduler_script(trace: Trace, version: str, journal):
     failure = _checked(recording.failure, vs.SUPPORTED, "vllm-scheduler", version)
     script = vs.render(recording, trace.steps, failure.kind, _sentence(failure.kind), version)
     configuration = _section(script, "# ---- the scheduler, as kvprop built it", "except TypeError")
-    return failure, script, configuration, scheduler_steps(recording, trace.steps), "Scheduler"
+    return failure, script, configuration, scheduler_steps(recording, trace.steps), "Scheduler", recording.around
 
 
 def manager_script(trace: Trace, version: str, journal):
-    """The find on vLLM's manager: (failure, script, configuration, steps, component)."""
+    """The find on vLLM's manager: (failure, script, configuration, steps, component, the pool around the find)."""
     from kvprop.repro import vllm_script as vs
     from kvprop.repro.vllm_record import record
     from kvprop.targets.vllm.config import manager_arguments
@@ -154,7 +169,7 @@ def manager_script(trace: Trace, version: str, journal):
     configuration = _groups(kwargs["kv_cache_config"]) + _section(
         script, "    manager = KVCacheManager(", "except TypeError"
     )
-    return failure, script, configuration, manager_steps(recording, trace.steps), "KVCacheManager"
+    return failure, script, configuration, manager_steps(recording, trace.steps), "KVCacheManager", recording.around
 
 
 def _section(script: str, start: str, end: str) -> str:

@@ -23,6 +23,7 @@ class Page:
     steps: tuple  # markdown lines
     actual: str  # the script's last line of output
     picture: str | None = None  # the SVG's file name, beside REPORT.md
+    no_picture: str | None = None  # why there is none
 
 
 def _manager_words(call) -> str:
@@ -116,6 +117,8 @@ def markdown(page: Page) -> str:
             "Blocks outlined in red are the ones the find names.",
             "",
         ]
+    elif page.no_picture:
+        lines += ["## The failing step", "", f"No picture: {page.no_picture}.", ""]
     lines += [
         "## Running it",
         "",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import attrs
 
 from kvprop.errors import ConfigError
+from kvprop.repro.failing_step import FailingStep
 from kvprop.search.execute import run
 from kvprop.search.harness import Harness
 from kvprop.search.trace import Failure, Trace
@@ -67,6 +68,7 @@ class Recording:
     calls: tuple
     failure: Failure | None
     allocator: VllmAllocator  # its manager as the replay left it
+    around: FailingStep  # the pool before the failing operation and at the find
 
 
 class Recorder:
@@ -152,8 +154,11 @@ def record(trace: Trace, journal=None) -> Recording:
         raise ConfigError(f"kvprop report: the vllm target built a {type(allocator).__name__}, not vLLM's manager")
     recorder = Recorder(allocator)
 
+    around = FailingStep(harness)
+
     def on_step(index, op, outcome) -> None:
         recorder.op = index + 1
+        around.passed(index, op)
 
     failure = run(harness, trace.steps, trace.drain, on_step)
-    return Recording(tuple(recorder.calls), failure, allocator)
+    return Recording(tuple(recorder.calls), failure, allocator, around)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import attrs
 
 from kvprop.errors import ConfigError
+from kvprop.repro.failing_step import FailingStep
 from kvprop.search.execute import run
 from kvprop.search.harness import Harness
 from kvprop.search.trace import Failure, Trace
@@ -51,6 +52,7 @@ class SchedulerRecording:
     failure: Failure | None
     recipe: Recipe
     engine: SchedulerEngine
+    around: FailingStep  # the pool before the failing operation and at the find
 
 
 def model_of(request: SimRequest, speculative_tokens: int) -> Model:
@@ -136,11 +138,14 @@ def record_scheduler(trace: Trace, journal=None) -> SchedulerRecording:
         raise ConfigError(f"kvprop report: the vllm-scheduler target built a {type(engine).__name__}")
     recorder = SchedulerRecorder(engine, len(trace.steps))
 
+    around = FailingStep(harness)
+
     def on_step(index, op, outcome) -> None:
         recorder.op = index + 1
+        around.passed(index, op)
 
     failure = run(harness, trace.steps, trace.drain, on_step)
     acts = list(recorder.acts)
     if trace.drain and (failure is None or recorder.op >= len(trace.steps)):
         acts.append(Act(len(trace.steps), "drain"))
-    return SchedulerRecording(tuple(acts), tuple(recorder.models), failure, engine.recipe, engine)
+    return SchedulerRecording(tuple(acts), tuple(recorder.models), failure, engine.recipe, engine, around)
