@@ -623,3 +623,19 @@ def test_the_report_draws_the_pool_before_the_failing_operation_and_at_the_find(
     panels = {e.get("data-panel") for e in ET.fromstring((out / "failing-step.svg").read_text()).iter()}
     linked = "![the pool and the block tables before and after the failing operation](failing-step.svg)"
     assert (panels >= {"before", "after"}, linked in (out / "REPORT.md").read_text()) == (True, True)
+
+
+@pytest.mark.skipif(not (0, 24) <= RELEASE < (0, 30), reason="the deepest group's hit is counted in 0.24 and 0.25")
+def test_the_report_of_a_data_find_checks_what_each_pass_attends_to(tmp_path):
+    code, out = reported(tmp_path, DEEPEST_HIT)
+    last = run_reproducer(out).stderr.strip().splitlines()[-1]
+    said = "AssertionError: r1 group 1 attends to position 0 in block 11, which holds position 24 of group 0"
+    assert (code, last.startswith(said)) == (0, True)
+
+
+@pytest.mark.skipif(RELEASE < (0, 33), reason="hits inside a block follow 0.33.0's rules from 0.33.0 only")
+def test_the_report_of_a_copy_before_compute_reads_the_copied_block_as_the_pass_does(tmp_path):
+    trace = attrs.evolve(tr.load(Path(__file__).parent / "data" / "copy-before-compute.json"), target="vllm-scheduler")
+    code, out = reported(tmp_path, trace)
+    last = run_reproducer(out).stderr.strip().splitlines()[-1]
+    assert (code, last.startswith("AssertionError: r7 group 0 attends to position 3 in block 2")) == (0, True)

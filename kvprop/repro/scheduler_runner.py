@@ -8,11 +8,111 @@ its blocks after the next step's pass, or before it when the scheduler flushes i
 each request whose scheduled tokens reach its end with the drafts the model accepts and the
 token after them (``TOKENS``), hands the output back with the worker's report, then offers
 each request that grew its next drafts (``DRAFTS``). The drain is kvprop's: every load in
-flight completes, then a step, until no request is left or the bound passes.
+flight completes, then a step, until no request is left or the bound passes. What the worker
+writes is seen through three calls a script defines (``NO_DATA`` where its property is not
+the data, ``DATA`` where it is): ``scheduled``, ``transferred`` and ``computed``.
 """
 
+NO_DATA = """
+def scheduled(output):
+    pass
+
+
+def transferred(job, load, ok):
+    pass
+
+
+def computed(output, at):
+    pass
+"""
+
+# The data the worker writes, restated from kvprop's data oracle (``kvprop.check.data``) for
+# attention groups: a pass writes each scheduled position of each attention group through the
+# worker's block table (the request's prefix up to it), a block copy copies a block's slots, a
+# store reads a GPU block into the CPU tier and a load writes it back; the pass then attends, for
+# each scheduled request, to every position before its end (the null block's skipped ones aside),
+# and each must read back what it must hold. State groups (``MambaSpec``) are not judged here.
+DATA = '''
+memory = {}  # (block id, offset) -> (group, position, prefix) the worker wrote there last
+cpu_tier = {}  # CPU block id -> {offset: value}
+tables = {}  # request id -> the block ids the worker holds, per group
+GROUPS = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
+ATTENTION = [g for g, spec in enumerate(GROUPS) if type(spec).__name__ != "MambaSpec"]
+SIZE = scheduler.block_size
+
+
+def value(group, position, tokens):
+    return (group, position, hash(tuple(tokens[: position + 1])))
+
+
+def scheduled(output):
+    """The worker's block tables: a new request's ids; a running one's new ids appended (a
+    resumed one's replaced); then the block copies, before the pass (vLLM 0.30 on)."""
+    for new in output.scheduled_new_reqs:
+        tables[new.req_id] = [list(ids) for ids in new.block_ids]
+    cached = output.scheduled_cached_reqs
+    resumed = getattr(cached, "resumed_req_ids", None)
+    flags = getattr(cached, "resumed_from_preemption", None)
+    for i, request_id in enumerate(cached.req_ids):
+        new_ids = cached.new_block_ids[i]
+        again = request_id in resumed if resumed is not None else flags is not None and flags[i]
+        if again or request_id not in tables:
+            tables[request_id] = [list(ids) for ids in new_ids] if new_ids else [[] for _ in GROUPS]
+        elif new_ids:
+            for table, ids in zip(tables[request_id], new_ids):
+                table.extend(ids)
+    for copy in getattr(output, "kv_cache_block_copies", None) or ():
+        for offset in range(SIZE):
+            memory[(copy.dst_block_id, offset)] = memory.get((copy.src_block_id, offset))
+
+
+def transferred(job, load, ok):
+    """A store reads its GPU blocks into the CPU tier; a load that succeeds writes them back."""
+    src, dst = job.transfer_spec if hasattr(job, "transfer_spec") else (job.src_spec, job.dst_spec)
+    gpu, cpu = (dst, src) if load else (src, dst)
+    for gpu_id, cpu_id in zip(gpu.block_ids, cpu.block_ids):
+        if not load:
+            cpu_tier[int(cpu_id)] = {o: memory.get((int(gpu_id), o)) for o in range(SIZE)}
+        elif ok:
+            for offset, held in cpu_tier.get(int(cpu_id), {}).items():
+                memory[(int(gpu_id), offset)] = held
+
+
+def computed(output, at):
+    """The pass writes every scheduled position of every attention group (drafts included), then
+    attends to every position before each request's end: each must read back its own data."""
+    manager = scheduler.kv_cache_manager
+    null = manager.block_pool.null_block.block_id
+    tokens = {}
+    for request_id, n in output.num_scheduled_tokens.items():
+        request = scheduler.requests[request_id]
+        tokens[request_id] = [*request.all_token_ids, *output.scheduled_spec_decode_tokens.get(request_id, ())]
+        for g in ATTENTION:
+            table = tables[request_id][g]
+            for position in range(at[request_id], at[request_id] + n):
+                memory[(table[position // SIZE], position % SIZE)] = value(g, position, tokens[request_id])
+    for request_id, n in output.num_scheduled_tokens.items():
+        for g in ATTENTION:
+            table = tables[request_id][g]
+            for position in range(at[request_id] + n):
+                block_id = table[position // SIZE]
+                if block_id == null:
+                    continue
+                held = memory.get((block_id, position % SIZE))
+                assert held == value(g, position, tokens[request_id]), (
+                    f"{request_id} group {g} attends to position {position} in block {block_id}, which holds "
+                    + ("nothing written there" if held is None else f"position {held[1]} of group {held[0]}"
+                       + (" for another prefix" if held[:2] == (g, position) else ""))
+                    + ": the pass reads data no pass wrote for this prefix"
+                )
+
+
+def check():
+    pass
+'''
+
 RUNNER = '''
-transfers = {}  # job id -> (request id, is a load)
+transfers = {}  # job id -> (request id, is a load, the job)
 stores_due = []  # store jobs issued last step: they read their blocks after this step's pass
 done = {"jobs": set(), "recving": set(), "failed": set(), "failed_jobs": set()}
 REPORTS_FAILED = "failed_jobs" in inspect.signature(OffloadingWorkerMetadata).parameters
@@ -36,7 +136,8 @@ def complete(job_id, ok=True):
     """The worker finishes a transfer job; the scheduler hears of it with the next output."""
     if job_id not in transfers:
         return
-    request_id, load = transfers.pop(job_id)
+    request_id, load, job = transfers.pop(job_id)
+    transferred(job, load, ok)
     if load and not ok:
         done["failed"].add(request_id)
         done["failed_jobs"].add(job_id)
@@ -50,7 +151,7 @@ def finish_load(request_id, ok):
     release's worker reports one (``failed_jobs``: vLLM 0.34.0 on)."""
     if not ok and not REPORTS_FAILED:
         return
-    for job_id, (rid, load) in list(transfers.items()):
+    for job_id, (rid, load, _) in list(transfers.items()):
         if load and rid == request_id:
             complete(job_id, ok)
 
@@ -91,6 +192,7 @@ def starts(output):
 def step():
     """One engine step: schedule, run the connector's jobs and the model, hand the output back."""
     output = scheduler.schedule()
+    scheduled(output)
     meta = getattr(output, "kv_connector_metadata", None)
     due = list(stores_due)
     stores_due.clear()
@@ -98,16 +200,17 @@ def step():
         for job_id in getattr(meta, "jobs_to_flush", None) or ():
             complete(job_id)
         for job_id, job in meta.load_jobs.items():
-            transfers[job_id] = (job.req_id, True)
+            transfers[job_id] = (job.req_id, True, job)
             if SYNC_LOADS:
                 finish_load(job.req_id, True)
     for job_id in due:
         complete(job_id)
     if meta is not None:
         for job_id, job in meta.store_jobs.items():
-            transfers[job_id] = (job.req_id, False)
+            transfers[job_id] = (job.req_id, False, job)
             stores_due.append(job_id)
     at = starts(output)
+    computed(output, at)
     ids = list(output.num_scheduled_tokens)
     sampled, lengths = [], {}
     for request_id in ids:
@@ -138,7 +241,7 @@ def drain():
     bound = 50 + 4 * work * max(1, len(scheduler.requests))
     steps = 0
     while scheduler.requests:
-        for request_id in sorted({rid for rid, load in transfers.values() if load}):
+        for request_id in sorted({rid for rid, load, _ in transfers.values() if load}):
             finish_load(request_id, True)
         if steps >= bound and not JUDGE_LIVENESS:
             break  # another property is this script's: past the bound it has nothing more to see

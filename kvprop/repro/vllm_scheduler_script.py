@@ -17,7 +17,7 @@ import json
 import textwrap
 
 from kvprop.errors import ConfigError
-from kvprop.repro.scheduler_runner import RUNNER
+from kvprop.repro.scheduler_runner import DATA, NO_DATA, RUNNER
 from kvprop.repro.script_events import EVENT_KINDS, EVENTS
 from kvprop.repro.vllm_scheduler_record import SchedulerRecording
 from kvprop.repro.vllm_script import CHECKS as POOL_CHECKS
@@ -55,7 +55,7 @@ def watch_handoffs(manager):
 
 # The kinds a script states: the drain's bound, vLLM's exception, the blocks an allocation hands the
 # connector (``watch_handoffs``), the events (``watch_events``) and the pool after every act (``check``).
-SUPPORTED = ("target-crash", "liveness", "connector-handoff", *EVENT_KINDS, *POOL_CHECKS)
+SUPPORTED = ("target-crash", "liveness", "connector-handoff", "data-mismatch", *EVENT_KINDS, *POOL_CHECKS)
 
 
 def supported(kind: str) -> bool:
@@ -210,7 +210,7 @@ def render(recording: SchedulerRecording, steps: tuple, kind: str, sentence: str
             body += ["", f"# ---- from {where(act.op, steps)}"]
             last_op = act.op
         body += act_lines(act)
-        if act.name != "drain" and (kind in POOL_CHECKS or kind in EVENT_KINDS):
+        if act.name != "drain" and (kind in POOL_CHECKS or kind in EVENT_KINDS or kind == "data-mismatch"):
             body.append("check()")
     tail = ["", f'print("OK: {kind} holds; the bug is fixed")']
     if kind == "target-crash":
@@ -234,7 +234,10 @@ def _checks(kind: str) -> list[str]:
     """``check()`` for ``kind``, run after every act: a no-op unless the kind's property is the pool's
     or the events'."""
     check = POOL_CHECKS.get(kind)
-    lines = ["", f"# ---- the property kvprop found broken ({kind})", "def check():"]
+    lines = ["", f"# ---- the property kvprop found broken ({kind})"]
+    if kind == "data-mismatch":
+        return [*lines, *DATA.strip("\n").splitlines(), "", ""]
+    lines += [*NO_DATA.strip("\n").splitlines(), "", "", "def check():"]
     if kind in EVENT_KINDS:
         lines.append("    scheduler.kv_cache_manager.take_events()  # the events it holds for its next publication")
     elif check is None:
