@@ -7,7 +7,7 @@ FUZZ_SECONDS ?= 180
 FUZZ_ARGS ?=
 PROFILE ?= ci
 
-.PHONY: all setup test test-fast fuzz repro bench bench-quick benchmarks lint docs clean vllm-env test-vllm vllm-matrix
+.PHONY: all setup test test-fast fuzz repro bench bench-quick benchmarks lint docs clean vllm-env test-vllm vllm-matrix findings
 
 all: test
 
@@ -98,6 +98,12 @@ test-vllm:
 # each. E.g. make vllm-matrix VLLM_VERSIONS="0.22.1 0.23.0 0.24.0 0.25.1 0.30.0 0.33.0"
 vllm-matrix:
 	PROFILE=$(PROFILE) bash scripts/vllm-matrix.sh $(VLLM_VERSIONS)
+
+# Every finding's reproducer (findings/*/repro.py) on each release its finding.json names: exit 1
+# where the bug is recorded, 0 where it is fixed; builds the environments it needs first.
+findings: $(STAMP)
+	@set -e; for v in $$($(BIN)/kvprop findings --releases); do bash scripts/vllm-env.sh $$v $(VLLM_ENVS)$$v; done
+	$(BIN)/kvprop findings --envs $(VLLM_ENVS)
 
 clean:
 	rm -rf $(VENV) .venv-vllm-* .hypothesis *.egg-info

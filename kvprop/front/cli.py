@@ -268,6 +268,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bi.add_argument("--json", action="store_true", help="one JSON object instead of the table")
 
+    from kvprop.front import findings
+
+    fi = command(
+        "findings",
+        findings.cmd_findings,
+        "run every recorded finding's reproducer on each release it names (exit 1: one answers otherwise)",
+    )
+    fi.add_argument("dir", nargs="?", default="findings", help="the folder of findings (default: findings)")
+    fi.add_argument(
+        "--envs",
+        default=".venv-vllm-",
+        metavar="PREFIX",
+        help="where each release's environment is, as a prefix of its folder (make vllm-env) (default: .venv-vllm-)",
+    )
+    fi.add_argument("--releases", action="store_true", help="only print the releases the findings name")
+    fi.add_argument("--json", action="store_true", help="one JSON list of answers instead of the table")
+
     ag = command("agree", c.cmd_agree, "walk kvprop's allocator and a target side by side (exit 1: they disagree)")
     ag.add_argument("--target", required=True, help="'vllm' or package.module:factory")
     ag.add_argument("--walks", type=positive_int, default=100, help="walks to compare")

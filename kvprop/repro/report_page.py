@@ -124,7 +124,8 @@ def markdown(page: Page) -> str:
         "",
         f"In an environment with vLLM {page.version} (and its torch), nothing else: `python repro.py`.",
         "It exits 1 while the bug is present (an AssertionError, or vLLM's own exception), 0 once it is fixed,",
-        "2 where the installed vLLM does not take this configuration (another release's API).",
+        "2 where the installed vLLM does not take this configuration (another release's API) or refuses it",
+        "at start-up.",
         "",
     ]
     return "\n".join(lines)
