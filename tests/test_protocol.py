@@ -150,8 +150,8 @@ PROBES_LEFT = {
     "kvprop/repro/vllm_record.py": (4, "the installed vLLM release's API, which differs between releases"),
     "kvprop/repro/vllm_script.py": (3, "dataclass fields written as constructor calls; the reproducer's own API check"),
     "kvprop/repro/scheduler_runner.py": (
-        2,
-        "the reproducer's own reads of the connector's metadata, which differ by release",
+        6,
+        "the reproducer's own reads of the scheduler's output and the connector's jobs, which differ by release",
     ),
     "kvprop/repro/script_events.py": (1, "the reproducer's read of an event's group, which events carry from 0.30.0"),
     "kvprop/repro/vllm_scheduler_record.py": (1, "the engine's operations, wrapped by name to record them"),
