@@ -97,7 +97,7 @@ def run_script(finding: Finding, release: str, env: Path | None) -> Answer:
         text=True,
         timeout=SCRIPT_TIMEOUT,
     )
-    lines = [line.strip() for line in (run.stderr + run.stdout).splitlines() if line.strip()]
+    lines = [line.strip() for line in (run.stdout + run.stderr).splitlines() if line.strip()]
     return Answer(finding.id, release, expected, run.returncode, lines[-1][:300] if lines else "")
 
 
