@@ -51,6 +51,14 @@ def test_every_reproducer_answering_as_recorded_is_exit_0(tmp_path, capsys):
     assert (code, capsys.readouterr().out.splitlines()[-1]) == (0, "2 of 2 answers as recorded in 1 findings")
 
 
+def test_environments_named_by_a_relative_prefix_are_found_from_each_findings_folder(tmp_path, monkeypatch, capsys):
+    environment(tmp_path, "0.1.0")
+    finding(tmp_path / "findings", "f", {"0.1.0": "affected"}, BY_RELEASE)
+    monkeypatch.chdir(tmp_path)
+    code = main(["findings", "findings", "--envs", "env-"])
+    assert (code, capsys.readouterr().out.splitlines()[-1]) == (0, "1 of 1 answers as recorded in 1 findings")
+
+
 def test_a_reproducer_answering_otherwise_is_exit_1_and_named(tmp_path, capsys):
     prefix = environment(tmp_path, "0.1.0")
     environment(tmp_path, "0.2.0")
@@ -83,3 +91,8 @@ def test_the_releases_it_needs_are_listed_for_make_to_build(tmp_path, capsys):
     finding(tmp_path / "findings", "b", {"0.9.1": "passes", "0.10.0": "passes"}, BY_RELEASE)
     code = main(["findings", str(tmp_path / "findings"), "--releases"])
     assert (code, capsys.readouterr().out.strip()) == (0, "0.9.1 0.10.0")
+
+
+def test_the_repository_findings_are_well_formed(capsys):
+    code = main(["findings", "findings", "--releases"])
+    assert (code, capsys.readouterr().out.strip() != "") == (0, True)

@@ -594,7 +594,6 @@ def test_the_report_of_a_scheduler_find_lists_its_steps_and_the_failed_load(tmp_
     )
 
 
-@pytest.mark.skipif(RELEASE < (0, 23), reason="0.22.1 hands no hit of a one-token prompt to a load")
 def test_the_report_of_a_block_handed_to_a_load_checks_each_allocation_for_external_tokens(tmp_path):
     code, out = reported(tmp_path, ONE_TOKEN_RELOAD)
     last = run_reproducer(out).stderr.strip().splitlines()[-1]

@@ -91,7 +91,7 @@ def run_script(finding: Finding, release: str, env: Path | None) -> Answer:
     if env is None:
         return Answer(finding.id, release, expected, None, "no environment")
     run = subprocess.run(
-        [str(env / "bin" / "python"), "-I", "-c", WITHOUT_KVPROP],
+        [str((env / "bin" / "python").absolute()), "-I", "-c", WITHOUT_KVPROP],  # run from the finding's folder
         cwd=finding.folder,
         capture_output=True,
         text=True,

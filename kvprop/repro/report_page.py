@@ -7,10 +7,16 @@ the script; with a picture of the failing step where one was taken (``picture``)
 
 from __future__ import annotations
 
+import re
+
 import attrs
 
 from kvprop.repro.vllm_script import call_lines, where
 from kvprop.search.trace import Failure
+
+# A file of an installed package, named from its package on: the folder of the environment that
+# wrote the report means nothing to a maintainer.
+SITE_PACKAGES = re.compile(r"\S*/site-packages/")
 
 
 @attrs.frozen
@@ -104,7 +110,7 @@ def markdown(page: Page) -> str:
         "## Expected and actual",
         "",
         f"- Expected: {expected}.",
-        f"- Actual (kvprop): {failure.message}",
+        f"- Actual (kvprop): {SITE_PACKAGES.sub('', failure.message)}",
         f"- Actual (repro.py): `{page.actual}`",
         "",
     ]
