@@ -97,7 +97,9 @@ def run_script(finding: Finding, release: str, env: Path | None) -> Answer:
         text=True,
         timeout=SCRIPT_TIMEOUT,
     )
-    lines = [line.strip() for line in (run.stdout + run.stderr).splitlines() if line.strip()]
+    # the assertion or exception where the bug shows (stderr), else what the script printed last
+    said = run.stderr if run.returncode == 1 else run.stdout
+    lines = [line.strip() for line in said.splitlines() if line.strip()]
     return Answer(finding.id, release, expected, run.returncode, lines[-1][:300] if lines else "")
 
 
