@@ -14,7 +14,7 @@ from kvprop.repro.picture import Snapshot, snapshot, svg
 class FailingStep:
     """Wraps a harness's ``apply`` and ``drain`` to see the find as it is raised."""
 
-    def __init__(self, harness):
+    def __init__(self, harness) -> None:
         self.engine = harness.engine
         self.before: Snapshot = snapshot(self.engine, "before the first operation")
         self.after: Snapshot | None = None
