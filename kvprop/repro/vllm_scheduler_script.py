@@ -6,9 +6,10 @@ not take is dropped only at its neutral value, as kvprop's adapter does, else ex
 the model runner and the offloading connector's worker (``scheduler_runner``), makes kvprop's
 acts in order — each under a comment naming the kvprop operation it came from — and states
 the broken property: the drain's bound (``liveness``), vLLM's own exception
-(``target-crash``), the pool's state after every act (the block kinds of ``vllm_script``), or
-the blocks an allocation hands the connector (``connector-handoff``). Trace data reaches the script only as
-values written by ``repr``.
+(``target-crash``), the pool's state after every act (the block kinds of ``vllm_script``),
+the blocks an allocation hands the connector (``connector-handoff``), the events a router
+replays (``script_events``), or what each pass attends to (``data-mismatch``, attention
+groups). Trace data reaches the script only as values written by ``repr``.
 """
 
 from __future__ import annotations
