@@ -106,6 +106,7 @@ def import_sglang() -> SimpleNamespace:
             release = check_release(version("sglang"))
             from sglang.srt.configs.model_config import ModelConfig
             from sglang.srt.disaggregation.utils import DisaggregationMode, prepare_abort
+            from sglang.srt.environ import envs
             from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
             from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
             from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
@@ -133,6 +134,7 @@ def import_sglang() -> SimpleNamespace:
         torch=torch,
         ModelConfig=ModelConfig,
         DisaggregationMode=DisaggregationMode,
+        envs=envs,
         prepare_abort=prepare_abort,
         FINISH_ABORT=FINISH_ABORT,
         Req=Req,

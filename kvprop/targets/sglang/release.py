@@ -165,11 +165,13 @@ class Release:
     def retract_decode(self, batch, server_args):
         return batch.retract_decode(server_args) if self.legacy else batch.retract_decode()
 
-    def release_req(self, batch, idx: int, remaining: int, server_args) -> None:
+    def release_req(self, batch, idx: int, remaining: int, server_args) -> bool:
+        """``ScheduleBatch.release_req``: True when the request can resume (0.5.23 returns it;
+        0.5.18 always retracts)."""
         if self.legacy:
             batch.release_req(idx, remaining, server_args)
-        else:
-            batch.release_req(idx, remaining)
+            return True
+        return bool(batch.release_req(idx, remaining))
 
     def calc_priority(self, policy, queue, batch) -> None:
         if self.legacy:

@@ -227,7 +227,9 @@ class SglangScheduler:
         return True
 
     def step(self) -> StepResult:
-        """``event_loop_normal``: get_next_batch_to_run, run_batch, process_batch_result."""
+        """``event_loop_normal``: get_next_batch_to_run, run_batch, process_batch_result; SGLang's
+        busy check only where its ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY`` asks for it, as
+        the server does (``oracles.check_conservation`` states the same contract as a Violation)."""
         self._publish()
         self._step_finished: list[str] = []
         self._step_retracted: list[str] = []
@@ -239,8 +241,11 @@ class SglangScheduler:
             mode = "extend" if batch.forward_mode.is_extend() else "decode"
         else:
             scheduled, mode = (), "idle"
+            if self.is_fully_idle():  # Scheduler.on_idle's state reset; its checks are oracles.check_idle
+                self.new_token_ratio_tracker.reset()
         self.last_batch = batch
-        self.invariant_checker.self_check_during_busy()
+        if self.sg.envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY.get():  # as event_loop_normal
+            self.invariant_checker.self_check_during_busy()
         for rid in self._step_finished:
             self._requests.pop(rid, None)
             self._retract.discard(rid)
@@ -389,9 +394,11 @@ class SglangScheduler:
         if batch.is_empty():
             return batch
         if not batch.check_decode_mem():
-            retracted, ratio, _aborted = rel.retract_decode(batch, self.server_args)
+            retracted, ratio, aborted = rel.retract_decode(batch, self.server_args)
             self.new_token_ratio_tracker.current = ratio
             self._requeue(retracted)
+            # reqs_to_abort: released by release_req, sent out as aborted (send_abort_output)
+            self._step_finished.extend(req.rid for req in aborted)
         else:
             self.new_token_ratio_tracker.decay_step()
         if batch.batch_size() < initial_bs:
@@ -407,9 +414,14 @@ class SglangScheduler:
         if not chosen:
             return
         keep = [i for i in range(len(batch.reqs)) if i not in chosen]
-        retracted = [batch.reqs[i] for i in chosen]
+        retracted = []
         for n, idx in enumerate(reversed(chosen)):
-            self.release.release_req(batch, idx, len(keep) + len(chosen) - n - 1, self.server_args)
+            req = batch.reqs[idx]
+            if self.release.release_req(batch, idx, len(keep) + len(chosen) - n - 1, self.server_args):
+                retracted.append(req)
+            else:  # no backup and the KV is gone: retract_decode aborts it
+                req.to_finish = self.sg.FINISH_ABORT("Retracted without a KV backup")
+                self._step_finished.append(req.rid)
         batch.filter_batch(keep_indices=keep)
         self._requeue(retracted)
 
