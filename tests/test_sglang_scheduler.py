@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -320,3 +323,14 @@ def test_a_chunk_size_off_the_page_grid_is_a_config_error():
 def test_a_release_outside_the_supported_range_is_a_config_error():
     with pytest.raises(ConfigError, match="SGLang 0.5.17 is outside the releases kvprop drives \\(0.5.18 to 0.5.23\\)"):
         check_release("0.5.17")
+
+
+def test_an_sglang_that_does_not_import_is_a_config_error_saying_how_to_get_one():
+    code = (
+        "import sys; sys.modules['sglang'] = None\n"
+        "from kvprop.targets.sglang.loading import import_sglang\n"
+        "try:\n    import_sglang()\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert (out.split(" ")[0], "`make sglang-env SGLANG_VERSION=0.5.23`" in out) == ("ConfigError", True)
