@@ -7,7 +7,8 @@ FUZZ_SECONDS ?= 180
 FUZZ_ARGS ?=
 PROFILE ?= ci
 
-.PHONY: all setup test test-fast fuzz repro bench bench-quick benchmarks lint docs clean vllm-env test-vllm vllm-matrix findings
+.PHONY: all setup test test-fast fuzz repro bench bench-quick benchmarks lint docs clean vllm-env test-vllm vllm-matrix findings \
+	sglang-env test-sglang
 
 all: test
 
@@ -91,7 +92,28 @@ test-vllm:
 		bash scripts/vllm-env.sh $$v $(VLLM_ENVS)$$v; \
 		echo "== vLLM $$v"; \
 		VLLM_LOGGING_LEVEL=ERROR PYTHONWARNINGS=ignore KVPROP_PROFILE=$(PROFILE) KVPROP_REQUIRE_VLLM=1 \
-			$(VLLM_ENVS)$$v/bin/python -m pytest -m vllm tests/test_vllm_target.py tests/test_vllm_scheduler.py; \
+			$(VLLM_ENVS)$$v/bin/python -m pytest -m vllm tests/test_vllm_target.py tests/test_vllm_scheduler.py tests/test_vllm_findings.py; \
+	done
+
+# SGLang's own scheduler and KV cache as a target: a separate CPU-only environment per
+# release, 0.5.18 to 0.5.23 (scripts/sglang-env.sh VERSION [DIR]: torch 2.13.0+cpu, SGLang and
+# its import closure with --no-deps, triton and torchvision import shims).
+SGLANG_VERSION ?= 0.5.23
+SGLANG_VERSIONS ?= 0.5.18 0.5.23
+
+sglang-env:
+	bash scripts/sglang-env.sh $(SGLANG_VERSION)
+
+# SGLANG_ENVS: where each release's environment is, as a prefix of its folder. There the SGLang
+# tests never skip: without SGLang they fail.
+SGLANG_ENVS ?= .venv-sglang-
+
+test-sglang:
+	@set -e; for v in $(SGLANG_VERSIONS); do \
+		bash scripts/sglang-env.sh $$v $(SGLANG_ENVS)$$v; \
+		echo "== SGLang $$v"; \
+		PYTHONWARNINGS=ignore KVPROP_PROFILE=$(PROFILE) KVPROP_REQUIRE_SGLANG=1 \
+			$(SGLANG_ENVS)$$v/bin/python -m pytest -m sglang tests/test_sglang_scheduler.py; \
 	done
 
 # Per release: build, the vLLM tests, a fixed walk budget (300 runs, seed 0); one table row
@@ -106,4 +128,4 @@ findings: $(STAMP)
 	$(BIN)/kvprop findings --envs $(VLLM_ENVS)
 
 clean:
-	rm -rf $(VENV) .venv-vllm-* .hypothesis *.egg-info
+	rm -rf $(VENV) .venv-vllm-* .venv-sglang-* .hypothesis *.egg-info

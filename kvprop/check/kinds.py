@@ -108,5 +108,26 @@ KINDS = {
         Kind("events-unknown-removal", 13, "a removed event names a key the replayed events hold"),
         Kind("events-reannounce-unheld", 13, "a hit's block announced again names a key the replayed events hold"),
         Kind("table-rewritten", 14, "an allocation only appends to a table or nulls entries it skips"),
+        Kind(
+            "sglang-pool-conservation",
+            5,
+            "in each SGLang pool, available + evictable + protected + what live requests hold uncached = its size",
+        ),
+        Kind(
+            "sglang-running-totals",
+            5,
+            "an SGLang tree's evictable and protected totals equal its unlocked and locked nodes' sizes",
+        ),
+        Kind("sglang-lock-ref", 1, "an SGLang tree node's lock_ref equals the live requests locked at or below it"),
+        Kind(
+            "sglang-slot-held-twice",
+            3,
+            "no SGLang KV slot is in two of: tree nodes, live requests' own rows, the free list",
+        ),
+        Kind(
+            "sglang-idle-leak",
+            9,
+            "with every request ended, SGLang's own idle checks pass and every request row is free",
+        ),
     )
 }
