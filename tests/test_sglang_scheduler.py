@@ -22,7 +22,7 @@ import pytest
 sglang = __import__("sglang") if os.environ.get("KVPROP_REQUIRE_SGLANG") else pytest.importorskip("sglang")
 
 from kvprop.check import sglang as oracles  # noqa: E402
-from kvprop.errors import ConfigError, Violation  # noqa: E402
+from kvprop.errors import ConfigError, RequestError, Violation  # noqa: E402
 from kvprop.targets.sglang.config import SglangConfig  # noqa: E402
 from kvprop.targets.sglang.loading import check_release  # noqa: E402
 from kvprop.targets.sglang.scheduler import SglangScheduler  # noqa: E402
@@ -334,3 +334,20 @@ def test_an_sglang_that_does_not_import_is_a_config_error_saying_how_to_get_one(
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     assert (out.split(" ")[0], "`make sglang-env SGLANG_VERSION=0.5.23`" in out) == ("ConfigError", True)
+
+
+def test_a_generation_the_pool_cannot_hold_is_clipped_as_sglang_clips_it_at_arrival():
+    """``init_req_max_new_tokens``: 68 prompt tokens in a pool of 96 leave room for 26 (without
+    the clip such a request waits at the head of the queue forever, blocking every other)."""
+    sched = SglangScheduler(CONFIGS["page1"])
+    req = sched.add_request("r0", list(range(3, 71)), 27)
+    assert req.sampling_params.max_new_tokens == 26
+
+
+def test_a_prompt_sglang_refuses_at_arrival_is_not_made():
+    """``validate_input_length``: a prompt of ``max_req_input_len`` (95 - 5) tokens or more ends
+    at arrival in SGLang, so kvprop never makes it."""
+    sched = SglangScheduler(CONFIGS["page1"])
+    with pytest.raises(RequestError) as info:
+        sched.add_request("r0", list(range(3, 93)), 1)
+    assert "max_req_input_len 90" in str(info.value)

@@ -51,6 +51,33 @@ class Release:
 
             cpu_kernels.install()
 
+    def max_new_tokens(self, allocator, config, input_len: int, max_new_tokens: int) -> int:
+        """``Scheduler.init_req_max_new_tokens`` (no ``SGLANG_MAX_NEW_TOKENS_LIMIT``, one KV
+        shard): a request's generation clipped so that it can be scheduled at all. Both releases
+        clip to ``max_req_len - input_len - 1``; 0.5.18 then to the pool less the paged prompt,
+        a page and one ("Otherwise a request can be accepted into the waiting queue but can never
+        be scheduled, blocking the queue", ``managers/scheduler.py``), 0.5.23 through the
+        allocator's own ``max_new_tokens_for_memory`` (the same budget, per allocator)."""
+        clipped = max(0, min(max_new_tokens, self.max_req_len(config) - input_len - 1))
+        if self.legacy:
+            room = config.pool_tokens - ceil_align(input_len, config.page_size) - config.page_size - 1
+            return max(0, min(clipped, room))
+        budget = allocator.max_new_tokens_for_memory(
+            input_len,
+            clipped,
+            token_capacity=config.pool_tokens,
+            sliding_window_size=config.sliding_window,
+            chunk_size=config.chunked_prefill_size,
+        )
+        return -1 if budget is None else max(0, budget)
+
+    @staticmethod
+    def max_req_len(config) -> int:
+        """``TpModelWorker``'s ``max_req_len``: min(context length - 1, KV capacity - 1)
+        (``managers/tp_worker.py``, both releases); the longest prompt it takes is 5 less
+        (``max_req_input_len``, checked by ``validate_input_length`` in ``managers/utils.py``)."""
+        return min(config.max_context_len - 1, config.pool_tokens - 1)
+
     def swa_allocator_kwargs(self, req_to_token_pool) -> dict:
         return {} if self.legacy else {"req_to_token_pool": req_to_token_pool}
 

@@ -183,6 +183,21 @@ class SglangScheduler:
                 f"target 'sglang': request {request_id!r}: {len(prompt)} + {max_new_tokens} tokens exceed "
                 f"max_context_len {self.config.max_context_len}"
             )
+        # Scheduler.handle_generate_request: the prompt's length is validated (validate_input_length,
+        # no auto-truncation: an error ends the request at arrival, so kvprop does not make it) and
+        # the generation clipped to what can ever be scheduled (init_req_max_new_tokens)
+        longest = self.release.max_req_len(self.config) - 5
+        if len(prompt) >= longest:
+            raise RequestError(
+                f"target 'sglang': request {request_id!r}: SGLang refuses a prompt of {len(prompt)} tokens "
+                f"(max_req_input_len {longest})"
+            )
+        max_new_tokens = self.release.max_new_tokens(self.allocator, self.config, len(prompt), max_new_tokens)
+        if max_new_tokens < 1:
+            raise RequestError(
+                f"target 'sglang': request {request_id!r}: SGLang leaves a prompt of {len(prompt)} tokens no room "
+                f"to generate in a pool of {self.config.pool_tokens}"
+            )
         sp = sg.SamplingParams(max_new_tokens=max_new_tokens)
         sp.normalize(None)
         sp.verify(vocab)
