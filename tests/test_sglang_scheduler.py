@@ -243,7 +243,8 @@ def test_idle_check_fires_on_a_slot_leaked_at_idle(name):
 
 # ---- each oracle stays clean on a seeded random run of the correct SGLang --------------
 
-OPERATIONS = 300
+# a longer soak: KVPROP_SGLANG_OPERATIONS=2000 make test-sglang (the seeds stay the same)
+OPERATIONS = int(os.environ.get("KVPROP_SGLANG_OPERATIONS", "300"))
 CHECKS = {
     "conservation": oracles.check_conservation,
     "totals": oracles.check_totals,
@@ -280,7 +281,7 @@ def random_run(sched, seed: int, check) -> dict:
             counts["admitted"] += len(result.admitted)
             counts["finished"] += len(result.finished)
             counts["retracted"] += len(result.retracted)
-    for result in drain(sched, limit=4000):
+    for result in drain(sched, limit=50 * OPERATIONS):  # the queue left by the operations, one by one
         counts["finished"] += len(result.finished)
         counts["retracted"] += len(result.retracted)
     oracles.check_idle(sched)
