@@ -137,6 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"seconds {what} may take without progress{during} before it is a target-hang find",
         )
 
+    def envs_arg(sp) -> None:
+        sp.add_argument(
+            "--envs",
+            default=".venv-vllm-",
+            metavar="PREFIX",
+            help="where each release's environment is, as a prefix of its folder (make vllm-env)",
+        )
+
     def target_args(
         sp, variant_help="bug variant of kvprop's allocator (see `kvprop variants`); kvprop target only", more=""
     ):
@@ -260,12 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     bi.add_argument("file")
     bi.add_argument("--releases", required=True, metavar="FIRST..LAST", help="e.g. 0.22.1..0.34.0, both included")
     bi.add_argument("--target", default=None, choices=VLLM_TARGETS, help="default: the trace's target")
-    bi.add_argument(
-        "--envs",
-        default=".venv-vllm-",
-        metavar="PREFIX",
-        help="where each release's environment is, as a prefix of its folder (make vllm-env) (default: .venv-vllm-)",
-    )
+    envs_arg(bi)
     bi.add_argument("--json", action="store_true", help="one JSON object instead of the table")
 
     from kvprop.front import findings
@@ -276,12 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
         "run every recorded finding's reproducer on each release it names (exit 1: one answers otherwise)",
     )
     fi.add_argument("dir", nargs="?", default="findings", help="the folder of findings (default: findings)")
-    fi.add_argument(
-        "--envs",
-        default=".venv-vllm-",
-        metavar="PREFIX",
-        help="where each release's environment is, as a prefix of its folder (make vllm-env) (default: .venv-vllm-)",
-    )
+    envs_arg(fi)
     fi.add_argument("--releases", action="store_true", help="only print the releases the findings name")
     fi.add_argument("--json", action="store_true", help="one JSON list of answers instead of the table")
 

@@ -22,11 +22,10 @@ import attrs
 from kvprop.errors import ConfigError
 from kvprop.exits import EXIT_CLEAN, EXIT_FOUND
 from kvprop.front.bisect import environments, version
+from kvprop.front.report import SCRIPT_TIMEOUT, WITHOUT_KVPROP
 
 FORMAT = "kvprop-finding/1"
 EXPECTED_EXIT = {"affected": 1, "passes": 0, "refuses": 2}
-WITHOUT_KVPROP = "import runpy, sys; sys.modules['kvprop'] = None; runpy.run_path('repro.py', run_name='__main__')"
-SCRIPT_TIMEOUT = 600  # seconds: importing vLLM and running a minimised find take far less
 FIELDS = ("format", "id", "title", "kind", "target", "status", "upstream", "written_on", "releases")
 
 

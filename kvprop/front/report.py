@@ -40,7 +40,7 @@ REPORTED = ("vllm", "vllm-scheduler")
 
 
 def check_reportable(trace: Trace, source: str) -> None:
-    """Only finds on the ``vllm`` target, replayed on vLLM as it is, are reported."""
+    """Only finds on a vLLM target, replayed on vLLM as it is, are reported."""
     target = trace.target
     if target not in REPORTED:
         named = "kvprop's own allocator" if target in (None, "kvprop") else f"target {target!r}"

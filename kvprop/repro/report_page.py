@@ -46,15 +46,21 @@ def _manager_words(call) -> str:
     return f"`{said}`" + (f": {call.outcome}" if call.outcome else "")
 
 
-def manager_steps(recording, steps: tuple) -> tuple:
+def _under_operations(items, steps: tuple, words) -> tuple:
+    """``items`` (calls or acts, each with its kvprop operation ``op``) in words, under a line
+    naming the operation each run of them came from."""
     lines: list[str] = []
     last_op = None
-    for call in recording.calls:
-        if call.op != last_op:
-            lines += ["", f"From {where(call.op, steps)}:", ""]
-            last_op = call.op
-        lines.append(f"- {_manager_words(call)}")
+    for item in items:
+        if item.op != last_op:
+            lines += ["", f"From {where(item.op, steps)}:", ""]
+            last_op = item.op
+        lines.append(f"- {words(item)}")
     return tuple(lines)
+
+
+def manager_steps(recording, steps: tuple) -> tuple:
+    return _under_operations(recording.calls, steps, _manager_words)
 
 
 def _act_words(act) -> str:
@@ -76,14 +82,7 @@ def _act_words(act) -> str:
 
 
 def scheduler_steps(recording, steps: tuple) -> tuple:
-    lines: list[str] = []
-    last_op = None
-    for act in recording.acts:
-        if act.op != last_op:
-            lines += ["", f"From {where(act.op, steps)}:", ""]
-            last_op = act.op
-        lines.append(f"- {_act_words(act)}")
-    return tuple(lines)
+    return _under_operations(recording.acts, steps, _act_words)
 
 
 def markdown(page: Page) -> str:
