@@ -7,8 +7,6 @@ They drive the allocator exactly as an engine does (hit search, allocate_slots, 
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -208,10 +206,6 @@ def add_op(parent, cut, extra, max_new_tokens) -> dict:
 
 # ---- kvprop report's reproducers ------------------------------------------------------------
 
-# Runs repro.py isolated (-I: no PYTHONPATH, no script folder on sys.path) with every import of
-# kvprop refused: the script must run where only vLLM is installed.
-WITHOUT_KVPROP = "import runpy, sys; sys.modules['kvprop'] = None; runpy.run_path('repro.py', run_name='__main__')"
-
 
 def reported(tmp_path, trace) -> tuple[int, Path]:
     """``kvprop report`` of ``trace`` into ``tmp_path / "report"``: (exit code, the folder)."""
@@ -221,12 +215,6 @@ def reported(tmp_path, trace) -> tuple[int, Path]:
     path, out = tmp_path / "find.json", tmp_path / "report"
     tr.save(trace, path)
     return main(["report", str(path), "--out", str(out)]), out
-
-
-def run_reproducer(folder: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-I", "-c", WITHOUT_KVPROP], cwd=folder, capture_output=True, text=True, timeout=600
-    )
 
 
 def imported_modules(source: str) -> set[str]:

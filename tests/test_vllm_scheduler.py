@@ -21,12 +21,13 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 vllm = __import__("vllm") if os.environ.get("KVPROP_REQUIRE_VLLM") else pytest.importorskip("vllm")
 
 from helpers import add_op as add  # noqa: E402
-from helpers import checkpoint_find, imported_modules, report_find, reported, run_reproducer  # noqa: E402
+from helpers import checkpoint_find, imported_modules, report_find, reported  # noqa: E402
 from packaging.version import Version  # noqa: E402
 
 from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow  # noqa: E402
 from kvprop.check.checker import Checker, drain  # noqa: E402
 from kvprop.errors import ConfigError  # noqa: E402
+from kvprop.front.report import run_reproducer  # noqa: E402
 from kvprop.search import trace as tr  # noqa: E402
 from kvprop.search.execute import execute  # noqa: E402
 from kvprop.search.harness import Harness  # noqa: E402

@@ -24,7 +24,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 vllm = __import__("vllm") if os.environ.get("KVPROP_REQUIRE_VLLM") else pytest.importorskip("vllm")
 
 import attrs  # noqa: E402
-from helpers import checkpoint_find, imported_modules, motivating_trace, report_find, reported, run_reproducer  # noqa: E402
+from helpers import checkpoint_find, imported_modules, motivating_trace, report_find, reported  # noqa: E402
 from hypothesis import Phase, settings  # noqa: E402
 from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
 from packaging.version import Version  # noqa: E402
@@ -39,6 +39,7 @@ from kvprop.allocator.specs import (  # noqa: E402
 )
 from kvprop.check import invariants as inv  # noqa: E402
 from kvprop.errors import ConfigError, TargetCrash, Violation  # noqa: E402
+from kvprop.front.report import run_reproducer  # noqa: E402
 from kvprop.repro.minimise import minimise  # noqa: E402
 from kvprop.search import profiles  # noqa: E402
 from kvprop.search import trace as tr  # noqa: E402

@@ -14,7 +14,6 @@ environment is missing (the message says how to build it).
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import attrs
@@ -22,7 +21,7 @@ import attrs
 from kvprop.errors import ConfigError
 from kvprop.exits import EXIT_CLEAN, EXIT_FOUND
 from kvprop.front.bisect import environments, version
-from kvprop.front.report import SCRIPT_TIMEOUT, WITHOUT_KVPROP
+from kvprop.front.report import run_reproducer
 
 FORMAT = "kvprop-finding/1"
 EXPECTED_EXIT = {"affected": 1, "passes": 0, "refuses": 2}
@@ -89,13 +88,7 @@ def run_script(finding: Finding, release: str, env: Path | None) -> Answer:
     expected = finding.releases[release]
     if env is None:
         return Answer(finding.id, release, expected, None, "no environment")
-    run = subprocess.run(
-        [str((env / "bin" / "python").absolute()), "-I", "-c", WITHOUT_KVPROP],  # run from the finding's folder
-        cwd=finding.folder,
-        capture_output=True,
-        text=True,
-        timeout=SCRIPT_TIMEOUT,
-    )
+    run = run_reproducer(finding.folder, str((env / "bin" / "python").absolute()))  # run from the finding's folder
     # the assertion or exception where the bug shows (stderr), else what the script printed last
     said = run.stderr if run.returncode == 1 else run.stdout
     lines = [line.strip() for line in said.splitlines() if line.strip()]

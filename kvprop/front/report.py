@@ -39,6 +39,14 @@ WITHOUT_KVPROP = "import runpy, sys; sys.modules['kvprop'] = None; runpy.run_pat
 REPORTED = ("vllm", "vllm-scheduler")
 
 
+def run_reproducer(folder: Path, python: str = sys.executable) -> subprocess.CompletedProcess:
+    """``folder/repro.py`` run as a maintainer runs it: by ``python`` (an environment's own
+    interpreter), isolated, from its folder, with every import of kvprop refused."""
+    return subprocess.run(
+        [python, "-I", "-c", WITHOUT_KVPROP], cwd=folder, capture_output=True, text=True, timeout=SCRIPT_TIMEOUT
+    )
+
+
 def check_reportable(trace: Trace, source: str) -> None:
     """Only finds on a vLLM target, replayed on vLLM as it is, are reported."""
     target = trace.target
@@ -91,13 +99,7 @@ def write_report(trace: Trace, out: Path, version: str, journal=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "repro.py"
     path.write_text(script, encoding="utf-8")
-    run = subprocess.run(
-        [sys.executable, "-I", "-c", WITHOUT_KVPROP],
-        cwd=out,
-        capture_output=True,
-        text=True,
-        timeout=SCRIPT_TIMEOUT,
-    )
+    run = run_reproducer(out)
     if run.returncode != 1:
         path.unlink()
         raise ConfigError(

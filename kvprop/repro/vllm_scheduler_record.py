@@ -38,7 +38,7 @@ class Act:
 
 @attrs.frozen
 class Model:
-    """A request's outputs as kvprop's model gives them: every token after the prompt up to
+    """A request as kvprop's model runs it: its prompt and every token decoded after it up to
     ``max_tokens``, and the drafts proposed when the request holds ``n`` tokens."""
 
     tokens: tuple
@@ -69,7 +69,7 @@ def model_of(request: SimRequest, speculative_tokens: int) -> Model:
             r.propose_drafts(k)
             drafts.append((r.num_tokens, tuple(r.spec_token_ids)))
             r.drop_drafts()
-    return Model(tuple(r.tokens[len(prompt) :]), tuple(drafts))
+    return Model(tuple(r.tokens), tuple(drafts))
 
 
 class SchedulerRecorder:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import textwrap
 
-from kvprop.errors import ConfigError
 from kvprop.repro.scheduler_runner import DATA, NO_DATA, RUNNER
 from kvprop.repro.script_events import EVENT_KINDS, EVENTS
 from kvprop.repro.vllm_scheduler_record import SchedulerRecording
@@ -137,7 +136,7 @@ def render(recording: SchedulerRecording, steps: tuple, kind: str, sentence: str
     s, v = engine.s, engine.allocator.v
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 
-    tokens = {rid: [*prompt, *model.tokens] for (rid, model), prompt in _prompts(recording)}
+    tokens = {rid: list(model.tokens) for rid, model in recording.models}
     drafts = {rid: {n: list(d) for n, d in model.drafts} for rid, model in recording.models}
     header = [
         '"""A reproducer for vLLM\'s v1 Scheduler (vLLM ' + version + "), written by kvprop report.",
@@ -224,14 +223,6 @@ def render(recording: SchedulerRecording, steps: tuple, kind: str, sentence: str
 
 def recipe_unit(recording: SchedulerRecording) -> int:
     return recording.engine.allocator.config.unit
-
-
-def _prompts(recording: SchedulerRecording):
-    prompts = {act.args[0]: list(act.args[1]) for act in recording.acts if act.name == "add"}
-    for rid, model in recording.models:
-        if rid not in prompts:
-            raise ConfigError(f"kvprop report: request {rid!r} was recorded without its arrival")
-        yield (rid, model), prompts[rid]
 
 
 def _checks(kind: str) -> list[str]:
