@@ -367,63 +367,8 @@ except BaseException as e:  # noqa: BLE001 - report whatever stops the import
         err = err.__cause__ or err.__context__
     sys.exit(1)
 PYEOF
-RESOLVE="$DIR/.kvprop-resolve-module.py"
-cat > "$RESOLVE" <<'PYEOF'
-"""Print the requirement to install for top-level module argv[1], or exit 2 with why not."""
-import importlib.metadata as md
-import re
-import sys
-
-from packaging.requirements import Requirement
-from packaging.specifiers import SpecifierSet
-
-# Import name -> PyPI distribution, only where they differ (pip normalises - and _).
-ALIAS = {
-    "yaml": "pyyaml", "cv2": "opencv-python-headless", "PIL": "pillow",
-    "google": "protobuf", "zmq": "pyzmq", "cpuinfo": "py-cpuinfo", "attr": "attrs",
-    "tvm_ffi": "apache-tvm-ffi", "sklearn": "scikit-learn", "dateutil": "python-dateutil",
-    "multipart": "python-multipart", "dotenv": "python-dotenv", "jwt": "pyjwt",
-    "pkg_resources": "setuptools", "pythonjsonlogger": "python-json-logger",
-    "bs4": "beautifulsoup4", "setproctitle": "setproctitle", "IPython": "ipython",
-    "sentencepiece": "sentencepiece", "partial_json_parser": "partial-json-parser",
-    "huggingface_hub": "huggingface-hub", "typing_extensions": "typing-extensions",
-    "msgpack": "msgpack", "pynvml": "nvidia-ml-py", "orjson": "orjson",
-}
-# Never from this loop: a CUDA torch or triton would come with them, and SGLang's own
-# compiled kernels are not a missing dependency.
-FORBIDDEN = re.compile(r"^(torch|torchvision|torchaudio|torchcodec|triton|triton-kernels|"
-                       r"pytorch-triton.*|nvidia-.*|cuda-.*|sglang.*|sgl-.*|flashinfer.*|"
-                       r"flash-attn.*|xformers|cupy.*|tilelang|deep-gemm|humming-kernels|"
-                       r"quack-kernels|nvshmem.*|torch-memory-saver)$")
-
-def norm(name):
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-module = sys.argv[1]
-top = module.split(".")[0]
-dist = norm(ALIAS.get(top, top))
-if FORBIDDEN.match(dist) or top in ("torch", "triton", "sglang", "sgl_kernel"):
-    print(f"module {module!r} would need {dist!r}, which this CPU-only recipe never installs "
-          "(a CUDA torch/triton, or a compiled part of SGLang itself)")
-    sys.exit(2)
-# Every requirement on it that an installed distribution declares and applies here;
-# extras-only ones count only when nothing else names it.
-applies, extras_only = SpecifierSet(), SpecifierSet()
-for d in md.distributions():
-    for line in d.requires or ():
-        try:
-            r = Requirement(line)
-        except Exception:  # noqa: BLE001
-            continue
-        if norm(r.name) != dist:
-            continue
-        if r.marker is None or r.marker.evaluate():
-            applies &= r.specifier
-        else:
-            extras_only &= r.specifier
-spec = applies if str(applies) or not str(extras_only) else extras_only
-print(f"{dist}{spec}")
-PYEOF
+# which distribution provides a missing module, at which versions (shared with the other recipe)
+RESOLVE="$REPO/scripts/resolve-module.py"
 
 rounds=0
 ADDED=()
@@ -444,7 +389,7 @@ while :; do
   fi
   if [ "${LAST_MODULE:-}" = "$module" ]; then
     echo "$out" | tail -30 >&2
-    echo "sglang-env: sglang $VERSION: module '$module' is still missing after installing $LAST_REQ; its PyPI name differs (add it to ALIAS in scripts/sglang-env.sh) or a shim lacks it" >&2
+    echo "sglang-env: sglang $VERSION: module '$module' is still missing after installing $LAST_REQ; its PyPI name differs (add it to ALIAS in scripts/resolve-module.py) or a shim lacks it" >&2
     exit 1
   fi
   req=$("$PY" "$RESOLVE" "$module") || {
@@ -498,7 +443,8 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  #
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
 
 
-def run(page_size):
+def pools(page_size):
+    """A KV pool of 64 slots, its allocator (paged above one slot a page) and a request pool."""
     size = 64
     kv = MHATokenToKVPool(size, page_size, torch.float16, head_num=1, head_dim=8, layer_num=1,
                           device="cpu", enable_memory_saver=False, enable_alt_stream=False)
@@ -507,6 +453,11 @@ def run(page_size):
     else:
         alloc = PagedTokenToKVPoolAllocator(size, page_size, torch.float16, "cpu", kv, need_sort=False)
     req_pool = ReqToTokenPool(4, 32, "cpu", enable_memory_saver=False)
+    return alloc, req_pool
+
+
+def run(page_size):
+    alloc, req_pool = pools(page_size)
     cache = RadixCache(CacheInitParams(disable=False, req_to_token_pool=req_pool,
                                        token_to_kv_pool_allocator=alloc, page_size=page_size))
     free0 = alloc.available_size()
@@ -537,14 +488,7 @@ def run_unified(page_size):
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-    size = 64
-    kv = MHATokenToKVPool(size, page_size, torch.float16, head_num=1, head_dim=8, layer_num=1,
-                          device="cpu", enable_memory_saver=False, enable_alt_stream=False)
-    if page_size == 1:
-        alloc = TokenToKVPoolAllocator(size, torch.float16, "cpu", kv, need_sort=False)
-    else:
-        alloc = PagedTokenToKVPoolAllocator(size, page_size, torch.float16, "cpu", kv, need_sort=False)
-    req_pool = ReqToTokenPool(4, 32, "cpu", enable_memory_saver=False)
+    alloc, req_pool = pools(page_size)
     cache = UnifiedRadixCache(CacheInitParams(
         disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=alloc,
         page_size=page_size, tree_components=(ComponentType.FULL,)))

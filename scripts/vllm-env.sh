@@ -154,58 +154,8 @@ except BaseException as e:  # noqa: BLE001 - report whatever stops the import
         err = err.__cause__ or err.__context__
     sys.exit(1)
 PYEOF
-RESOLVE="$DIR/.kvprop-resolve-module.py"
-cat > "$RESOLVE" <<'PYEOF'
-"""Print the requirement to install for top-level module argv[1], or exit 2 with why not."""
-import importlib.metadata as md
-import re
-import sys
-
-from packaging.requirements import Requirement
-from packaging.specifiers import SpecifierSet
-
-# Import name -> PyPI distribution, only where they differ (pip normalises - and _).
-ALIAS = {
-    "yaml": "pyyaml", "cv2": "opencv-python-headless", "PIL": "pillow",
-    "google": "protobuf", "zmq": "pyzmq", "cpuinfo": "py-cpuinfo", "attr": "attrs",
-    "tvm_ffi": "apache-tvm-ffi", "sklearn": "scikit-learn", "dateutil": "python-dateutil",
-    "multipart": "python-multipart", "dotenv": "python-dotenv", "jwt": "pyjwt",
-    "pkg_resources": "setuptools", "pythonjsonlogger": "python-json-logger",
-    "lmformatenforcer": "lm-format-enforcer", "bs4": "beautifulsoup4",
-}
-# Never from this loop: a CUDA torch or triton would come with them, and vLLM's own
-# compiled parts are not a missing dependency.
-FORBIDDEN = re.compile(r"^(torch|torchvision|torchaudio|triton|pytorch-triton.*|nvidia-.*|vllm.*|"
-                       r"flashinfer.*|xformers|cupy.*|tilelang|deep-gemm|humming-kernels)$")
-
-def norm(name):
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-module = sys.argv[1]
-top = module.split(".")[0]
-dist = norm(ALIAS.get(top, top))
-if FORBIDDEN.match(dist) or top in ("torch", "triton", "vllm"):
-    print(f"module {module!r} would need {dist!r}, which this CPU-only recipe never installs "
-          "(a CUDA torch/triton, or a compiled part of vLLM itself)")
-    sys.exit(2)
-# Every requirement on it that an installed distribution declares and applies here;
-# extras-only ones count only when nothing else names it.
-applies, extras_only = SpecifierSet(), SpecifierSet()
-for d in md.distributions():
-    for line in d.requires or ():
-        try:
-            r = Requirement(line)
-        except Exception:  # noqa: BLE001
-            continue
-        if norm(r.name) != dist:
-            continue
-        if r.marker is None or r.marker.evaluate():
-            applies &= r.specifier
-        else:
-            extras_only &= r.specifier
-spec = applies if str(applies) or not str(extras_only) else extras_only
-print(f"{dist}{spec}")
-PYEOF
+# which distribution provides a missing module, at which versions (shared with the other recipe)
+RESOLVE="$REPO/scripts/resolve-module.py"
 
 rounds=0
 ADDED=()
@@ -225,7 +175,7 @@ while :; do
     exit 1
   fi
   if [ "${LAST_MODULE:-}" = "$module" ]; then
-    echo "vllm-env: vllm $VERSION: module '$module' is still missing after installing $LAST_REQ; its PyPI name differs: add it to ALIAS in scripts/vllm-env.sh" >&2
+    echo "vllm-env: vllm $VERSION: module '$module' is still missing after installing $LAST_REQ; its PyPI name differs: add it to ALIAS in scripts/resolve-module.py" >&2
     exit 1
   fi
   req=$("$PY" "$RESOLVE" "$module") || {
