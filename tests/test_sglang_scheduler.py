@@ -244,7 +244,12 @@ def test_idle_check_fires_on_a_slot_leaked_at_idle(name):
 # ---- each oracle stays clean on a seeded random run of the correct SGLang --------------
 
 # a longer soak: KVPROP_SGLANG_OPERATIONS=2000 make test-sglang (the seeds stay the same)
-OPERATIONS = int(os.environ.get("KVPROP_SGLANG_OPERATIONS", "300"))
+_OPERATIONS = os.environ.get("KVPROP_SGLANG_OPERATIONS", "300")
+if not _OPERATIONS.isdigit() or int(_OPERATIONS) < 1:
+    raise pytest.UsageError(
+        f"KVPROP_SGLANG_OPERATIONS takes a positive whole number of operations, got {_OPERATIONS!r}"
+    )
+OPERATIONS = int(_OPERATIONS)
 CHECKS = {
     "conservation": oracles.check_conservation,
     "totals": oracles.check_totals,
