@@ -113,7 +113,7 @@ test-sglang:
 		bash scripts/sglang-env.sh $$v $(SGLANG_ENVS)$$v; \
 		echo "== SGLang $$v"; \
 		PYTHONWARNINGS=ignore KVPROP_PROFILE=$(PROFILE) KVPROP_REQUIRE_SGLANG=1 \
-			$(SGLANG_ENVS)$$v/bin/python -m pytest -m sglang tests/test_sglang_scheduler.py; \
+			$(SGLANG_ENVS)$$v/bin/python -m pytest -m sglang tests/test_sglang_scheduler.py tests/test_sglang_target.py; \
 	done
 
 # Per release: build, the vLLM tests, a fixed walk budget (300 runs, seed 0); one table row

@@ -71,6 +71,9 @@ class Shapes:
     state_with_connector: bool = True  # a state group beside a KV connector
     local_with_connector: bool = True  # a chunked-local group beside a KV connector
     drafts_within_budget: bool = False  # with drafts, a token budget of at least 1 + drafts
+    connector: bool = True  # a KV connector ("sync" or "async")
+    drafts: bool = True  # speculative drafts
+    without_caching: bool = True  # prefix caching off
     # the options drawn by their own declaration (kvprop.allocator.options.Option.draw) it builds,
     # by name; None: every one. An adapter names those it maps to its engine.
     options: frozenset | None = None

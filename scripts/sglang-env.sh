@@ -52,6 +52,7 @@ if ! [[ $VERSION =~ ^[0-9]+\.[0-9]+\.[0-9]+(\.post[0-9]+)?$ ]]; then
 fi
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 DIR=${2:-$REPO/.venv-sglang-$VERSION}
+case $DIR in /*) ;; *) DIR="$PWD/$DIR" ;; esac  # the steps below run in other directories
 PY="$DIR/bin/python"
 
 # kvprop is installed from this checkout, and its command and its pytest plugin load

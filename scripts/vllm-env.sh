@@ -25,6 +25,7 @@ fi
 VERSION=$1
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 DIR=${2:-$REPO/.venv-vllm-$VERSION}
+case $DIR in /*) ;; *) DIR="$PWD/$DIR" ;; esac  # the steps below run in other directories
 PY="$DIR/bin/python"
 
 # kvprop is installed from this checkout, and its command and its pytest plugin load (an entry

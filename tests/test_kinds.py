@@ -536,14 +536,17 @@ EXERCISED = (
 # Kinds whose states only an engine's own code builds, produced by that engine's tests instead
 # (they run where the engine is installed, never skipped in CI).
 ELSEWHERE = {
-    kind: "tests/test_sglang_scheduler.py"
-    for kind in (
-        "sglang-pool-conservation",
-        "sglang-running-totals",
-        "sglang-lock-ref",
-        "sglang-slot-held-twice",
-        "sglang-idle-leak",
-    )
+    **{
+        kind: "tests/test_sglang_scheduler.py"
+        for kind in (
+            "sglang-pool-conservation",
+            "sglang-running-totals",
+            "sglang-lock-ref",
+            "sglang-slot-held-twice",
+            "sglang-idle-leak",
+        )
+    },
+    **{kind: "tests/test_sglang_target.py" for kind in ("sglang-kv-data", "sglang-cached-kv-data")},
 }
 
 

@@ -11,7 +11,7 @@ every run; otherwise every check is a full sweep.
 from __future__ import annotations
 
 from kvprop.allocator.specs import FullAttention
-from kvprop.check import data, decisions, moments, outcomes
+from kvprop.check import data, decisions, moments, outcomes, sglang, sglang_data
 from kvprop.check import invariants as inv
 from kvprop.check.events import EventLedger
 from kvprop.check.mirror import Mirror
@@ -229,6 +229,11 @@ class Checker(Hooks):
         if self.enabled:
             moments.write_targets(engine.view, request, group, table, start, num_tokens)
 
+    def before_read(self, engine, request_id: str, layer: str, positions, slots, expected) -> None:
+        if self.enabled and slots:
+            values = engine.read(layer, slots)
+            sglang_data.check_read(request_id, layer, positions, slots, values, [expected[p] for p in positions])
+
     def _check_refusal_changes(self, engine, request_id, before) -> None:
         """8, incrementally: a refused allocation touched only the blocks its window skipping freed."""
         view = engine.view
@@ -305,6 +310,11 @@ class Checker(Hooks):
             engine.take_kv_events()  # drained all the same, as a scheduler would: never piles up
             return
         self.num_checks += 1
+        if engine.terms == "sglang":
+            sglang.check_all(engine.scheduler)
+            if self.num_checks % self.full_every == 0:
+                self._sglang_tree_data(engine)
+            return
         if self.incremental(engine) and self.num_checks % self.sweep_interval(engine):
             _, keys, changed = self.check_structure(engine)
             changed |= self.judged_in_step
@@ -319,6 +329,10 @@ class Checker(Hooks):
         """The full sweep of every invariant; resynchronises the incremental mirror."""
         if not self.enabled:
             return
+        if engine.terms == "sglang":
+            sglang.check_all(engine.scheduler)
+            self._sglang_tree_data(engine)
+            return
         view = engine.view
         tables, keys = self._sweep_structure(engine)
         # the writes since the last check first, as the incremental check judges them: two
@@ -331,6 +345,16 @@ class Checker(Hooks):
             self.signatures.clear()
             self.pending_changes = set()
             self.judged_in_step = set()
+
+    @staticmethod
+    def _sglang_tree_data(engine) -> None:
+        """Every cached node of SGLang's tree holds its path's KV (a tree Python can walk)."""
+        tree = engine.scheduler.tree_cache
+        root = sglang.tree_root(tree)
+        if root is not None:
+            sglang_data.check_tree_data(
+                root, lambda node: sglang.full_value(tree, node), lambda slots: engine.read("full-attention", slots)
+            )
 
 
 STALLED_STEPS = 2  # steps in a row that left the engine's stall signature as it was

@@ -125,6 +125,16 @@ KINDS = {
             "no SGLang KV slot is in two of: tree nodes, live requests' own rows, the free list",
         ),
         Kind(
+            "sglang-kv-data",
+            7,
+            "an SGLang forward pass reads back, in every layer, the KV its request's own tokens computed",
+        ),
+        Kind(
+            "sglang-cached-kv-data",
+            7,
+            "an SGLang tree node's KV slots hold what the tokens of its path computed",
+        ),
+        Kind(
             "sglang-idle-leak",
             9,
             "with every request ended, SGLang's own idle checks pass and every request row is free",

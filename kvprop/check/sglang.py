@@ -44,6 +44,16 @@ def _root(tree):
         return None
 
 
+def tree_root(tree):
+    """The root of a tree Python can walk, or None (the Rust tree core)."""
+    return _root(tree)
+
+
+def full_value(tree, node):
+    """A node's full-attention slots (None where it holds none)."""
+    return _value(tree, node)
+
+
 def walkable(sched) -> bool:
     return _root(sched.tree_cache) is not None
 

@@ -11,6 +11,8 @@ What is measured:
 - ``kvprop`` (the default): every module of kvprop's own allocator, ``kvprop/allocator/``;
 - ``vllm``: vLLM's allocator, ``vllm/v1/core/`` ``block_pool.py``, ``kv_cache_coordinator.py``,
   ``kv_cache_manager.py`` and ``single_type_kv_cache_manager.py``;
+- ``sglang``: SGLang's radix caches and token allocators (``SGLANG_TREE_FILES``,
+  ``SGLANG_ALLOCATOR_FILES``, and ``radix_cache.py`` before 0.5.19), under ``sglang/srt/mem_cache/``;
 - ``package.module:factory``: the module's file and every ``.py`` file under its package's
   directory (a top-level module: its file alone).
 
@@ -38,7 +40,8 @@ VLLM_FILES = ("block_pool.py", "kv_cache_coordinator.py", "kv_cache_manager.py",
 VLLM_SCHEDULER_FILES = ("sched/scheduler.py",)
 # the offloading connector's scheduler side, relative to the vllm package (0.23.0 on)
 VLLM_CONNECTOR_FILE = "distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py"
-NAMES = "'kvprop', 'vllm', 'vllm-scheduler' or 'package.module:factory'"  # as kvprop.targets (not imported here)
+# as kvprop.targets (not imported here)
+NAMES = "'kvprop', 'vllm', 'vllm-scheduler', 'sglang' or 'package.module:factory'"
 MAX_OPS = 10_000
 PROGRESS_EVERY = 10.0
 
@@ -83,6 +86,37 @@ def _vllm_scope(target: str = "vllm") -> Scope:
     return _scope_of(files, [str(f.resolve()) for f in files], measured)
 
 
+# SGLang's radix caches and token allocators, relative to sglang/srt/mem_cache: the tree classes
+# its scheduler's factory builds (RadixCache for full attention before 0.5.19, UnifiedRadixCache
+# with its Python tree core otherwise) and the allocators kvprop's shapes build.
+SGLANG_TREE_FILES = ("unified_radix_cache.py", "unified_cache/unified_tree_core.py")
+SGLANG_LEGACY_TREE_FILE = "radix_cache.py"  # what full attention builds on 0.5.18
+SGLANG_ALLOCATOR_FILES = ("allocator/base.py", "allocator/token.py", "allocator/paged.py", "allocator/swa.py")
+
+
+def _sglang_scope() -> Scope:
+    from kvprop.targets.sglang.loading import INSTALL_HINT, check_release  # kvprop's advice; imports no SGLang
+
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            f"target 'sglang' needs SGLang importable, but there is no module named 'sglang'; {INSTALL_HINT}"
+        )
+    from importlib.metadata import version
+
+    release = check_release(version("sglang"))
+    mem_cache = Path(next(iter(spec.submodule_search_locations))) / "srt" / "mem_cache"
+    names: tuple[str, ...] = SGLANG_TREE_FILES + SGLANG_ALLOCATOR_FILES
+    if release < (0, 5, 19):
+        names = (SGLANG_LEGACY_TREE_FILE, *names)
+    files = [mem_cache / name for name in names]
+    missing = [name for name, f in zip(names, files, strict=True) if not f.is_file()]
+    if missing:
+        raise ConfigError(f"target 'sglang': this SGLang ({mem_cache}) has no {missing}; kvprop measures {list(names)}")
+    measured = "SGLang's radix cache and allocators: sglang/srt/mem_cache/" + ", ".join(names)
+    return _scope_of(files, [str(f.resolve()) for f in files], measured)
+
+
 def _path_scope(target: str) -> Scope:
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
@@ -117,6 +151,8 @@ def scope(target: str | None) -> Scope:
         return _scope_of(_py_files(directory), [str(directory / "*")], "kvprop's own allocator: kvprop/allocator/")
     if target in ("vllm", "vllm-scheduler"):
         return _vllm_scope(target)
+    if target == "sglang":
+        return _sglang_scope()
     if not isinstance(target, str):
         raise ConfigError(f"target must be {NAMES}, got {target!r}")
     return _path_scope(target)

@@ -57,6 +57,8 @@ def targets() -> str:
         if caps is None:
             return "declared by what its factory returns"
         missing = [name for name in EVERY.declared() if name not in caps.declared()]
+        if not caps.declared():
+            return "none"
         return "every one" if not missing else "every one but " + ", ".join(f"`{n}`" for n in missing)
 
     def shapes(s: Shapes | str) -> str:

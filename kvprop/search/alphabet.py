@@ -75,9 +75,10 @@ def sample_config(choose, shapes: Shapes = ANY_SHAPE) -> EngineConfig:
         else:
             groups.append(ChunkedLocal(bs, bs * choose.integer(1, 4)))
     num_blocks = choose.integer(max(4, 1 + 3 * len(groups)), choose.pick((16, 32, 64)))
-    enable_caching = choose.integer(0, 7) > 0
+    enable_caching = choose.integer(0, 7) > 0 or not shapes.without_caching
     token_budget, lookahead, connector = choose.integer(1, 64), choose.integer(0, 2), choose.pick(CONNECTORS)
     lookahead = lookahead if shapes.lookahead else 0
+    connector = connector if shapes.connector else "off"
     if connector != "off" and not shapes.local_with_connector:  # the same draws, full attention instead
         groups = [FullAttention(bs) if isinstance(g, ChunkedLocal) else g for g in groups]
     # A state-space group in half the shapes without a connector, and in a quarter of those with
@@ -89,6 +90,7 @@ def sample_config(choose, shapes: Shapes = ANY_SHAPE) -> EngineConfig:
     # Drafts in half the shapes, 1 to 4 of them as MTP and EAGLE propose; none with a state
     # group in mode "none", whose speculative columns are not modelled, and fewer than a block.
     speculative = choose.pick((0, 0, 0, 1, 2, 4))
+    speculative = speculative if shapes.drafts else 0
     if shapes.drafts_within_budget:
         token_budget = max(token_budget, 1 + speculative)
     if state_group:  # vLLM sizes a state group's scratch columns by the drafts

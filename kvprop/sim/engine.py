@@ -55,6 +55,8 @@ __all__ = [
 class Engine(Scheduler, Worker, BuggyCaller):
     """A simulated server over one allocator: its scheduler, its worker and its buggy caller."""
 
+    terms = "blocks"  # judged by kvprop's block invariants; an engine with its own terms names them
+
     def __init__(
         self,
         config: EngineConfig,

@@ -50,3 +50,7 @@ class Hooks:
 
     def step_starts(self, engine) -> None:
         """A step begins: nothing of it has been allocated or computed yet."""
+
+    def before_read(self, engine, request_id: str, layer: str, positions, slots, expected) -> None:
+        """An engine that holds its KV in its own buffers (SGLang's): ``request_id``'s forward pass
+        is about to read ``positions`` of ``layer`` from ``slots``, which must hold ``expected``."""

@@ -6,6 +6,26 @@ import enum
 from collections.abc import Sequence
 
 from kvprop.allocator.hashing import ROOT_HASH, hash_block, prefix_hash
+from kvprop.errors import RequestError
+
+
+def arrival(prompt, max_new_tokens) -> list[int]:
+    """The prompt of a well-formed arrival, as a list; a RequestError names what is malformed.
+    Every engine's ``add_request`` takes requests through here."""
+    prompt = list(prompt)
+    if not prompt or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in prompt):
+        raise RequestError(f"add_request: prompt must be a non-empty list of token ids >= 0, got {prompt!r}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise RequestError(f"add_request: max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    return prompt
+
+
+def live(requests: dict, request_id: str):
+    """``requests[request_id]``; a RequestError naming the live ones where it is not among them."""
+    try:
+        return requests[request_id]
+    except KeyError:
+        raise RequestError(f"unknown request {request_id!r}; live requests: {sorted(requests)}") from None
 
 
 class Status(enum.Enum):

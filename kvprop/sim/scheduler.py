@@ -29,7 +29,7 @@ from kvprop.sim.chunking import ChunkRules
 from kvprop.sim.connector import Connector
 from kvprop.sim.hooks import Hooks
 from kvprop.sim.load_room import LoadRoom
-from kvprop.sim.request import Request, Status
+from kvprop.sim.request import Request, Status, arrival, live
 from kvprop.sim.target_calls import TargetCalls
 
 EVENTS = (
@@ -122,11 +122,7 @@ class Scheduler(ChunkRules, LoadRoom):
         return len(self.specs) * cdiv(num_tokens + self.config.lookahead, self.block_size) + scratch + self.copy_reserve
 
     def add_request(self, prompt, max_new_tokens: int) -> Request:
-        prompt = list(prompt)
-        if not prompt or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in prompt):
-            raise RequestError(f"add_request: prompt must be a non-empty list of token ids >= 0, got {prompt!r}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise RequestError(f"add_request: max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        prompt = arrival(prompt, max_new_tokens)
         need = self.max_blocks_needed(len(prompt) + max_new_tokens)
         usable = self.config.allocator.usable_blocks
         if need > usable:
@@ -147,10 +143,7 @@ class Scheduler(ChunkRules, LoadRoom):
         return request
 
     def get(self, request_id: str) -> Request:
-        try:
-            return self.requests[request_id]
-        except KeyError:
-            raise RequestError(f"unknown request {request_id!r}; live requests: {sorted(self.requests)}") from None
+        return live(self.requests, request_id)
 
     def is_admitted(self, request: Request) -> bool:
         return request.status in (Status.RUNNING, Status.LOADING, Status.LOADED, Status.ABORTING)

@@ -239,11 +239,21 @@ REGISTRY = {
             own_scheduler=True,
             package="vllm",
         ),
+        Target(
+            "sglang",
+            "kvprop.targets.sglang.engine:build_engine",
+            "SGLang's own scheduler loop, radix cache and KV pools, in charge of every step",
+            NONE,
+            shapes="kvprop.targets.sglang.shape:release_shapes",
+            own_scheduler=True,
+            startup="kvprop.targets.sglang.shape:check_startup",
+            package="sglang",
+        ),
     )
 }
 # The targets that drive vLLM's own code: the registry's, by the package they drive.
 VLLM_TARGETS = tuple(name for name, t in REGISTRY.items() if t.package == "vllm")
-NAMES = "'kvprop', 'vllm', 'vllm-scheduler' or 'package.module:factory'"
+NAMES = "'kvprop', 'vllm', 'vllm-scheduler', 'sglang' or 'package.module:factory'"
 
 
 def is_builtin(name: str | None) -> bool:

@@ -28,8 +28,12 @@ from kvprop.targets.sglang.release import Release
 class SglangScheduler:
     """The Scheduler's request bookkeeping, calling SGLang for every KV decision."""
 
-    def __init__(self, config: SglangConfig):
+    def __init__(self, config: SglangConfig, forward=None):
+        """``forward(batch)``, when given, plays the model's forward pass over each batch SGLang
+        prepared, before its tokens are sampled (kvprop's worker writes and reads the KV there)."""
         sg = self.sg = import_sglang()
+        self.forward = forward
+        self._stop: set[str] = set()
         rel = self.release = Release.of(sg)
         if rel.legacy and config.tree_core != "python":
             raise ConfigError(
@@ -201,7 +205,9 @@ class SglangScheduler:
         sp = sg.SamplingParams(max_new_tokens=max_new_tokens)
         sp.normalize(None)
         sp.verify(vocab)
-        req = sg.Req(request_id, "", array("q", prompt), sp, vocab_size=vocab)
+        req = sg.Req(
+            request_id, "", array("q", prompt), sp, vocab_size=vocab, eos_token_ids=sg.model_config.hf_eos_token_id
+        )
         self._requests[request_id] = req
         self.waiting_queue.append(req)
         return req
@@ -232,6 +238,12 @@ class SglangScheduler:
         if request_id in self._requests:
             self._retract.add(request_id)
 
+    def stop(self, request_id: str) -> None:
+        """The model samples EOS for ``request_id`` the next time it samples for it: the request
+        finishes as SGLang finishes any request that generates its model's EOS token."""
+        if request_id in self._requests:
+            self._stop.add(request_id)
+
     def reset_prefix_cache(self) -> bool:
         """``Scheduler.flush_cache``: resets the tree and pools when fully idle, else refuses."""
         self._publish()
@@ -252,6 +264,8 @@ class SglangScheduler:
         batch = self.get_next_batch_to_run()
         if batch is not None:
             scheduled = self._scheduled(batch)
+            if self.forward is not None:
+                self.forward(batch)
             self.process_batch_result(batch, self._sample(batch))
             mode = "extend" if batch.forward_mode.is_extend() else "decode"
         else:
@@ -264,6 +278,7 @@ class SglangScheduler:
         for rid in self._step_finished:
             self._requests.pop(rid, None)
             self._retract.discard(rid)
+            self._stop.discard(rid)
         return StepResult(
             mode=mode,
             admitted=tuple(self._step_admitted),
@@ -281,10 +296,13 @@ class SglangScheduler:
         return tuple((r.rid, 1) for r in batch.reqs)
 
     def _sample(self, batch) -> list[int]:
-        """The model: a token per request from its id and length; never EOS, inside the vocabulary."""
-        vocab = self.sg.model_config.vocab_size
+        """The model: a token per request from its id and length, inside the vocabulary and never
+        EOS, except for a request ``stop`` named, which samples EOS."""
+        vocab, eos = self.sg.model_config.vocab_size, min(self.sg.model_config.hf_eos_token_id)
         return [
-            3 + (len(r.origin_input_ids) + 7 * len(r.output_ids) + sum(map(ord, r.rid))) % (vocab - 3)
+            eos
+            if r.rid in self._stop
+            else 3 + (len(r.origin_input_ids) + 7 * len(r.output_ids) + sum(map(ord, r.rid))) % (vocab - 3)
             for r in batch.reqs
         ]
 
@@ -449,7 +467,13 @@ class SglangScheduler:
 
     def process_batch_result(self, batch, next_token_ids) -> None:
         """``process_batch_result_prefill`` (generation) / ``process_batch_result_decode`` +
-        ``_handle_finish_state_updated_req``."""
+        ``_handle_finish_state_updated_req``, inside one allocator free group as both open it
+        (``free_group_begin`` / ``free_group_end``, ``batch_result_processor.py``, 0.5.18 and 0.5.23)."""
+        self.allocator.free_group_begin()
+        self._process_batch_result(batch, next_token_ids)
+        self.allocator.free_group_end()
+
+    def _process_batch_result(self, batch, next_token_ids) -> None:
         rel, tree = self.release, self.tree_cache
         if batch.forward_mode.is_extend():
             for req, tok in zip(batch.reqs, next_token_ids):

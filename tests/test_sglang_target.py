@@ -1,0 +1,167 @@
+"""``--target sglang``: kvprop's operations, drivers and checks over SGLang's own scheduler loop;
+skipped where SGLang is absent (never in ``make test-sglang``, which CI runs).
+
+The data oracle's tests break SGLang's state through SGLang's own objects (a KV buffer written
+behind the tree's back, a window slot freed through the allocator) and expect the kind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import attrs
+import pytest
+
+sglang = __import__("sglang") if os.environ.get("KVPROP_REQUIRE_SGLANG") else pytest.importorskip("sglang")
+
+from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow  # noqa: E402
+from kvprop.check import sglang as sglang_checks  # noqa: E402
+from kvprop.check.checker import Checker  # noqa: E402
+from kvprop.errors import Violation  # noqa: E402
+from kvprop.search.execute import run  # noqa: E402
+from kvprop.search.harness import Harness  # noqa: E402
+from kvprop.search.walk import operations, start  # noqa: E402
+from kvprop.targets import build_engine, shapes_of  # noqa: E402
+
+pytestmark = pytest.mark.sglang
+
+
+def config(block_size: int = 1, window: int | None = None, num_blocks: int = 48, budget: int = 8) -> EngineConfig:
+    groups = (FullAttention(block_size),) + ((SlidingWindow(block_size, window),) if window else ())
+    return EngineConfig(allocator=AllocatorConfig(groups, num_blocks), token_budget=budget, vocab=4)
+
+
+def engine_for(cfg: EngineConfig):
+    checker = Checker(full_every=1)
+    return build_engine(cfg, target="sglang", hooks=checker), checker
+
+
+def drain(engine, checker, limit: int = 200) -> None:
+    for _ in range(limit):
+        if not engine.requests:
+            return
+        engine.step()
+        checker.check_all(engine)
+    raise AssertionError(f"requests still live after {limit} steps: {sorted(engine.requests)}")
+
+
+PROMPT = [0, 1, 2, 3] * 4  # 16 tokens: whole pages at page size 1 and 4
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_a_request_runs_to_its_end_through_sglang(block_size):
+    engine, checker = engine_for(config(block_size))
+    record = engine.add_request(PROMPT, 3)
+    drain(engine, checker)
+    assert (record.status.value, engine.retired, engine.scheduler.tree_cache.evictable_size()) == (
+        "finished",
+        ["r0"],
+        16 + 3 - 1 if block_size == 1 else 16,  # what was computed, in whole pages
+    )
+
+
+def test_a_second_request_reads_the_first_ones_cached_prefix():
+    engine, checker = engine_for(config())
+    engine.add_request(PROMPT, 1)
+    drain(engine, checker)
+    engine.add_request([*PROMPT, 3, 3], 1)
+    report = engine.step()
+    assert report.scheduled == {"r1": 2}
+
+
+def test_finish_makes_the_model_sample_eos():
+    engine, checker = engine_for(config())
+    engine.add_request(PROMPT, 50)
+    engine.step()
+    engine.finish("r0")
+    report = engine.step()
+    assert (report.finished, engine.retired) == (["r0"], ["r0"])
+
+
+def test_an_aborted_running_request_ends_as_aborted():
+    engine, checker = engine_for(config())
+    record = engine.add_request(PROMPT, 50)
+    engine.step()
+    engine.abort("r0")
+    engine.step()
+    assert (record.status.value, engine.requests) == ("aborted", {})
+
+
+def _overwrite_cached(engine) -> None:
+    """The sixth slot of the first request's cached prompt, overwritten in SGLang's KV buffer."""
+    tree = engine.scheduler.tree_cache
+    (node,) = sglang_checks.tree_root(tree).children.values()
+    engine._full[int(sglang_checks.full_value(tree, node)[5])] = 12345.0
+
+
+def test_the_data_oracle_catches_a_cached_slot_overwritten_behind_the_tree():
+    engine, checker = engine_for(config())
+    engine.add_request(PROMPT, 1)
+    drain(engine, checker)
+    _overwrite_cached(engine)
+    engine.add_request([*PROMPT, 3], 1)
+    with pytest.raises(Violation) as e:
+        engine.step()
+    assert e.value.kind == "sglang-kv-data"
+
+
+def test_the_tree_data_check_catches_a_cached_slot_overwritten():
+    engine, checker = engine_for(config())
+    engine.add_request(PROMPT, 1)
+    drain(engine, checker)
+    _overwrite_cached(engine)
+    with pytest.raises(Violation) as e:
+        checker.check_full(engine)
+    assert e.value.kind == "sglang-cached-kv-data"
+
+
+def test_the_window_oracle_catches_a_window_slot_freed_under_a_live_request():
+    engine, checker = engine_for(config(window=4, budget=16))
+    engine.add_request(PROMPT, 20)
+    engine.step()  # the prefill, in one chunk
+    sched = engine.scheduler
+    req = sched.request("r0")
+    last = int(sched.req_to_token_pool.req_to_token[engine.release.req_pool_idx(req), len(PROMPT) - 1])
+    sched.allocator.free_swa(sched.sg.torch.tensor([last]))  # inside the window of the next decode
+    with pytest.raises(Violation) as e:
+        engine.step()
+    assert e.value.kind == "sglang-kv-data"
+
+
+def _walk(cfg: EngineConfig, seed: int, max_ops: int = 150):
+    begun = attrs.evolve(start(seed, max_ops, shapes=shapes_of("sglang")), config=cfg)
+    harness = Harness(cfg, target="sglang")
+    taken: list = []
+    return run(harness, operations(begun, harness, taken), drain=True), harness
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4])
+def test_full_attention_walks_stay_clean(block_size):
+    """Seeded walks of kvprop's whole alphabet over SGLang's full-attention cache, every check
+    after every operation and step: 8 walks of up to 150 operations per page size."""
+    failures = []
+    for seed in range(8):
+        failure, _ = _walk(config(block_size, num_blocks=64 // block_size, budget=4 * block_size), seed)
+        if failure is not None:
+            failures.append((seed, failure.message))
+    assert failures == []
+
+
+def test_kvprop_fuzz_runs_walks_on_sglang_and_reports_them(tmp_path):
+    """Four walks of a fixed seed through the command line: steps ran, and they were clean."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvprop", "fuzz", "--target", "sglang", "--max-runs", "4", "--workers", "1",
+         "--seed", "3", "--out", str(tmp_path), "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    summary = json.loads(out.stdout)
+    assert (out.returncode, summary["target"], summary["verdict"], summary["runs"], summary["steps"] > 0) == (
+        0,
+        "sglang",
+        "clean",
+        4,
+        True,
+    ), out.stderr[-2000:]
