@@ -51,7 +51,7 @@ def test_a_trace_of_kvprops_own_allocator_exits_2_naming_the_vllm_targets(tmp_pa
     path = tmp_path / "find.json"
     tr.save(motivating_trace(), path)
     run = bisect(str(path), "--releases", "0.22.1..0.23.0")
-    assert (run.returncode, "--target vllm or vllm-scheduler" in run.stderr) == (2, True)
+    assert (run.returncode, "--target vllm or vllm-scheduler or sglang" in run.stderr) == (2, True)
 
 
 def test_the_range_is_both_ends():

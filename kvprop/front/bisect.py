@@ -1,7 +1,8 @@
-"""``kvprop bisect TRACE --releases A..B``: which vLLM releases a find affects.
+"""``kvprop bisect TRACE --releases A..B``: which releases of an engine a find affects.
 
 The trace is replayed with ``kvprop replay`` in each release's own environment (one per
-release, ``scripts/vllm-env.sh``; ``--envs`` names the prefix of their folders) between the two
+release, ``scripts/vllm-env.sh`` or ``scripts/sglang-env.sh``; ``--envs`` names the prefix of
+their folders, ``.venv-vllm-`` or ``.venv-sglang-`` by default) between the two
 releases named, both included, each replay in a process of that environment. A release
 *affected* reproduces a failure, one that *passes* runs the trace clean, and one that
 *refuses* does not build the configuration (its own start-up validation, or kvprop's rules of
@@ -23,7 +24,12 @@ import attrs
 
 from kvprop.errors import ConfigError
 from kvprop.exits import EXIT_CLEAN, EXIT_FOUND, EXIT_INTERNAL
-from kvprop.targets.protocol import VLLM_TARGETS
+from kvprop.targets.protocol import REGISTRY
+
+# The engines whose releases have environments: package -> (its name, the make target that builds one)
+ENGINES = {"vllm": ("vLLM", "vllm-env VLLM_VERSION"), "sglang": ("SGLang", "sglang-env SGLANG_VERSION")}
+# The targets that drive an engine's own code, whose finds bisect replays
+ENGINE_TARGETS = tuple(name for name, t in REGISTRY.items() if t.package in ENGINES)
 
 VERSION = r"\d+\.\d+(?:\.\d+)?"
 RANGE = re.compile(rf"^({VERSION})\.\.({VERSION})$")
@@ -46,7 +52,9 @@ def version(text: str) -> tuple[int, ...]:
 def parse_range(text: str) -> tuple[str, str]:
     match = RANGE.match(text)
     if match is None:
-        raise ConfigError(f"--releases takes FIRST..LAST, two vLLM releases such as 0.22.1..0.34.0; got {text!r}")
+        raise ConfigError(
+            f"--releases takes FIRST..LAST, two releases of the engine such as 0.22.1..0.34.0; got {text!r}"
+        )
     first, last = match.groups()
     if version(first) > version(last):
         raise ConfigError(f"--releases {text}: the first release comes after the last")
@@ -64,14 +72,15 @@ def environments(prefix: str) -> dict[str, Path]:
     return found
 
 
-def releases_in(first: str, last: str, prefix: str) -> list[tuple[str, Path]]:
+def releases_in(first: str, last: str, prefix: str, package: str = "vllm") -> list[tuple[str, Path]]:
     envs = environments(prefix)
+    engine, make = ENGINES[package]
     for end in (first, last):
         if end not in envs:
             have = ", ".join(sorted(envs, key=version)) or "none"
             raise ConfigError(
-                f"no environment for vLLM {end} at {prefix}{end} (environments there: {have}); "
-                f"build it with: make vllm-env VLLM_VERSION={end}, or name their prefix with --envs"
+                f"no environment for {engine} {end} at {prefix}{end} (environments there: {have}); "
+                f"build it with: make {make}={end}, or name their prefix with --envs"
             )
     span = [r for r in envs if version(first) <= version(r) <= version(last)]
     return [(r, envs[r]) for r in sorted(span, key=version)]
@@ -117,12 +126,15 @@ def cmd_bisect(args) -> int:
     first, last = parse_range(args.releases)
     trace = tr.load(args.file)
     target = args.target or trace.target
-    if target not in VLLM_TARGETS:
+    if target not in ENGINE_TARGETS:
         raise ConfigError(
-            f"{args.file} records target {target or 'kvprop'!r}; bisect replays on vLLM releases: "
-            f"--target {' or '.join(VLLM_TARGETS)}"
+            f"{args.file} records target {target or 'kvprop'!r}; bisect replays on an engine's releases: "
+            f"--target {' or '.join(ENGINE_TARGETS)}"
         )
-    releases = releases_in(first, last, args.envs)
+    package = REGISTRY[target].package
+    assert package is not None  # ENGINE_TARGETS drive a package
+    engine = ENGINES[package][0]
+    releases = releases_in(first, last, args.envs or f".venv-{package}-", package)
     verdicts = []
     with tempfile.TemporaryDirectory(prefix="kvprop-bisect-") as tmp:
         for release, env in releases:
@@ -130,7 +142,7 @@ def cmd_bisect(args) -> int:
             copy.parent.mkdir()
             shutil.copyfile(args.file, copy)
             if not args.json:
-                print(f"vLLM {release}: replaying on {target} ...", file=sys.stderr, flush=True)
+                print(f"{engine} {release}: replaying on {target} ...", file=sys.stderr, flush=True)
             verdicts.append(replay_on(release, env, copy, target))
     result = summary(verdicts)
     if args.json:

@@ -116,7 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
     from kvprop.front import bisect
     from kvprop.front import commands as c
     from kvprop.front import fuzz_command as fc
-    from kvprop.targets.protocol import VLLM_TARGETS
 
     p = argparse.ArgumentParser(prog="kvprop", description=__doc__.split("\n")[0], formatter_class=_Formatter)
     p.add_argument("--version", action="version", version=f"kvprop {__version__}")
@@ -153,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--target",
             default=None,
             help="'kvprop' (default), 'vllm' (vLLM's KVCacheManager), 'vllm-scheduler' (vLLM's Scheduler), "
-            "or package.module:factory" + more,
+            "'sglang' (SGLang's scheduler loop), or package.module:factory" + more,
         )
         sp.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present, else cpu)")
         call_timeout_arg(sp, during=" (importing, building, one operation)")
@@ -264,11 +263,19 @@ def build_parser() -> argparse.ArgumentParser:
     cov.add_argument("--out", default="counterexamples", help="where a target that dies or hangs is saved")
     target_args(cov, more="; 'vllm+vllm-scheduler' alternates walks between vLLM's two targets")
 
-    bi = command("bisect", bisect.cmd_bisect, "replay a find on every vLLM release in a range (exit 1: some affected)")
+    bi = command(
+        "bisect", bisect.cmd_bisect, "replay a find on every release of its engine in a range (exit 1: some affected)"
+    )
     bi.add_argument("file")
     bi.add_argument("--releases", required=True, metavar="FIRST..LAST", help="e.g. 0.22.1..0.34.0, both included")
-    bi.add_argument("--target", default=None, choices=VLLM_TARGETS, help="default: the trace's target")
-    envs_arg(bi)
+    bi.add_argument("--target", default=None, choices=bisect.ENGINE_TARGETS, help="default: the trace's target")
+    bi.add_argument(
+        "--envs",
+        default=None,
+        metavar="PREFIX",
+        help="where each release's environment is, as a prefix of its folder (default: .venv-vllm- or "
+        ".venv-sglang-, by the target's engine; make vllm-env, make sglang-env)",
+    )
     bi.add_argument("--json", action="store_true", help="one JSON object instead of the table")
 
     from kvprop.front import findings
