@@ -252,6 +252,33 @@ def vllm_here(quick: bool, journal=None, progress=_progress) -> list[dict]:
     return rows
 
 
+def sglang(quick: bool) -> list[dict]:
+    """SGLang's scheduler loop as the target (run from an SGLang environment, ``make sglang-env``),
+    measured in a supervised worker: SGLang never runs in kvprop's process."""
+    from kvprop.search.supervisor import Supervisor
+
+    with Supervisor("sglang") as supervisor:
+        return supervisor.call(sglang_here, {"quick": quick}, progress=_progress)
+
+
+def sglang_here(quick: bool, journal=None, progress=_progress) -> list[dict]:
+    """In the worker: walk throughput with every SGLang check on and with none, over the sampled
+    configurations as ``kvprop fuzz`` runs them, and their ratio, measured in one run."""
+    _walk_rate(0.01, False, None, target="sglang")  # imports SGLang (a ConfigError without it), not timed
+    seconds = 3.0 if quick else 15.0
+    rates = {}
+    for checks in (True, False):
+        progress(f"SGLang target: walk, checks {'on' if checks else 'off'}")
+        rates[checks] = _walk_rate(seconds, checks, None, target="sglang")
+    rows = [
+        {"measure": f"walk, checks {'on' if checks else 'off'} (ops/s)", "value": round(rate), "steps": n}
+        for checks, (rate, n) in rates.items()
+    ]
+    ratio = rates[False][0] / rates[True][0] if rates[True][0] else None
+    rows.append({"measure": "unchecked / checked ops/s", "value": round(ratio, 2) if ratio else None, "steps": None})
+    return rows
+
+
 @contextlib.contextmanager
 def _fresh_directory():
     old = os.getcwd()
@@ -401,8 +428,9 @@ def with_baseline(rows: list[dict], baseline: dict) -> list[dict]:
     return [{"measure": r["measure"], "before": baseline.get(r["measure"], "not measured"), **r} for r in rows]
 
 
-PARTS = ("throughput", "supervision", "scaling", "time_to_find", "vllm", "targets")
-DEFAULT_PARTS = tuple(part for part in PARTS if part != "vllm")  # vllm needs a vLLM environment
+PARTS = ("throughput", "supervision", "scaling", "time_to_find", "vllm", "sglang", "targets")
+# vllm and sglang need their engine's environment
+DEFAULT_PARTS = tuple(part for part in PARTS if part not in ("vllm", "sglang"))
 
 
 def main(
@@ -418,6 +446,7 @@ def main(
         "scaling": scaling,
         "time_to_find": time_to_find,
         "vllm": vllm,
+        "sglang": sglang,
     }
     if markdown is not None and not Path(markdown).parent.is_dir():
         raise ConfigError(f"--markdown {markdown!r}: its folder does not exist")

@@ -359,7 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_bench_part,
         metavar="PART",
         help="which tables: throughput, supervision (the same walks in this process and in a supervised "
-        "worker), scaling, time_to_find, vllm (run from a vLLM environment), targets; default: all but vllm",
+        "worker), scaling, time_to_find, vllm (run from a vLLM environment), sglang (from an SGLang "
+        "environment), targets; default: all but vllm and sglang",
         default=None,
     )
     return p
