@@ -24,7 +24,8 @@ sglang = __import__("sglang") if os.environ.get("KVPROP_REQUIRE_SGLANG") else py
 from kvprop.check import sglang as oracles  # noqa: E402
 from kvprop.errors import ConfigError, RequestError, Violation  # noqa: E402
 from kvprop.targets.sglang.config import SglangConfig  # noqa: E402
-from kvprop.targets.sglang.loading import check_release  # noqa: E402
+from kvprop.targets.sglang.loading import check_release, import_sglang  # noqa: E402
+from kvprop.targets.sglang.release import Release  # noqa: E402
 from kvprop.targets.sglang.scheduler import SglangScheduler  # noqa: E402
 
 pytestmark = pytest.mark.sglang
@@ -307,7 +308,9 @@ def _fields(config: SglangConfig) -> dict:
     return attrs.asdict(config)
 
 
-@pytest.mark.skipif(check_release(sglang.__version__) < (0, 5, 19), reason="0.5.18 has only the Python tree core")
+@pytest.mark.skipif(
+    Release.of(import_sglang()).tree_core_selector == "none", reason="the release has only the Python tree core"
+)
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_a_random_run_on_the_rust_tree_core_stays_clean(name):
     config = SglangConfig(
@@ -316,6 +319,56 @@ def test_a_random_run_on_the_rust_tree_core_stays_clean(name):
     sched = SglangScheduler(config)
     counts = random_run(sched, seed=1, check=oracles.check_all)
     assert (oracles.walkable(sched), counts["finished"] > 0) == (False, True)
+
+
+# ---- the release's facets ------------------------------------------------------------------
+
+# The release each yes/no facet turned on in (off after it where marked "until"), read from SGLang's source
+TURNED_ON = {
+    "kv_record_lifelong": (0, 5, 19),
+    "fill_cursors": (0, 5, 22),
+    "tree_lock": (0, 5, 22),
+    "evicted_seqlen_by_component": (0, 5, 21),
+    "private_swa_helper": (0, 5, 22),
+    "counts_swa_transient": (0, 5, 20),
+    "checkpoint_api": (0, 5, 22),
+    "aborts_finish_handle": (0, 5, 20),
+    "abort_releases_mm_inputs": (0, 5, 22),
+    "chunk_abort_reason_on_req": (0, 5, 22),
+    "chunk_abort_redispatch": (0, 5, 20),
+    "evict_for_alloc": (0, 5, 19),
+    "filters_running_each_step": (0, 5, 23),
+    "priority_takes_processed_tokens": (0, 5, 20),
+    "chunk_limit": (0, 5, 21),
+    "empty_running_clears_full": (0, 5, 22),
+    "no_token_full_only_with_work": (0, 5, 22),
+    "budget_gate": (0, 5, 23),
+    "allocator_budget": (0, 5, 21),
+    "paged_torch_path": (0, 5, 22),
+    "triton_by_platform": (0, 5, 23),
+    "swa_allocator_takes_req_pool": (0, 5, 20),
+    "checker_reads_chunked_req": (0, 5, 20),
+    "byte_accounting": (0, 5, 19),
+    "aux_cache_allocator": (0, 5, 19),
+}
+UNTIL = {
+    "retract_takes_server_args": (0, 5, 18),
+    "tree_context_takes_chunk_size": (0, 5, 21),
+    "observer_reads_batches": (0, 5, 21),
+}
+
+
+def test_each_facet_read_from_the_api_is_the_one_its_release_carries():
+    import attrs
+
+    release = Release.of(import_sglang())
+    at = release.release
+    want = {name: at >= since for name, since in TURNED_ON.items()}
+    want |= {name: at <= last for name, last in UNTIL.items()}
+    want["exclude_keyword"] = "reqs_to_exclude" if at >= (0, 5, 22) else "chunked_req_to_exclude"
+    want["tree_core_selector"] = "none" if at < (0, 5, 19) else "env" if at < (0, 5, 21) else "params"
+    got = {k: v for k, v in attrs.asdict(release).items() if k not in ("version", "release")}
+    assert got == want
 
 
 # ---- configuration -----------------------------------------------------------------------

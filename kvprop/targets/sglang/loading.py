@@ -107,13 +107,14 @@ def import_sglang() -> SimpleNamespace:
             from sglang.srt.configs.model_config import ModelConfig
             from sglang.srt.disaggregation.utils import DisaggregationMode, prepare_abort
             from sglang.srt.environ import envs
-            from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
+            from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ReqKvInfo, ScheduleBatch
             from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
+            from sglang.srt.managers.scheduler_components import pool_stats_observer
             from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
             from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import NewTokenRatioTracker
             from sglang.srt.managers.scheduler_components.pool_stats_observer import SchedulerPoolStatsObserver
-            from sglang.srt.mem_cache import common
-            from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+            from sglang.srt.mem_cache import base_prefix_cache, common
+            from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator, paged
             from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
             from sglang.srt.mem_cache.cache_init_params import CacheInitParams
             from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -138,6 +139,7 @@ def import_sglang() -> SimpleNamespace:
         prepare_abort=prepare_abort,
         FINISH_ABORT=FINISH_ABORT,
         Req=Req,
+        ReqKvInfo=ReqKvInfo,
         ScheduleBatch=ScheduleBatch,
         AddReqResult=AddReqResult,
         PrefillAdder=PrefillAdder,
@@ -145,7 +147,10 @@ def import_sglang() -> SimpleNamespace:
         SchedulerInvariantChecker=SchedulerInvariantChecker,
         NewTokenRatioTracker=NewTokenRatioTracker,
         SchedulerPoolStatsObserver=SchedulerPoolStatsObserver,
+        pool_stats_observer=pool_stats_observer,
+        base_prefix_cache=base_prefix_cache,
         common=common,
+        paged=paged,
         PagedTokenToKVPoolAllocator=PagedTokenToKVPoolAllocator,
         TokenToKVPoolAllocator=TokenToKVPoolAllocator,
         SWATokenToKVPoolAllocator=SWATokenToKVPoolAllocator,

@@ -35,7 +35,7 @@ class SglangScheduler:
         self.forward = forward
         self._stop: set[str] = set()
         rel = self.release = Release.of(sg)
-        if rel.legacy and config.tree_core != "python":
+        if rel.tree_core_selector == "none" and config.tree_core != "python":
             raise ConfigError(
                 f"target 'sglang': SGLang {sg.version} has only the Python tree core; tree_core must be 'python'"
             )
@@ -48,17 +48,10 @@ class SglangScheduler:
         self.req_to_token_pool = sg.ReqToTokenPool(config.max_running_requests, config.max_context_len, "cpu", False)
         if config.swa:
             self.kvcache = sg.SWAKVPool(
-                size=n,
-                size_swa=config.swa_pool_tokens,
-                page_size=page,
-                dtype=torch.float32,
-                head_num=1,
-                head_dim=4,
-                swa_attention_layer_ids=[0],
-                full_attention_layer_ids=[1],
-                device="cpu",
+                size=n, size_swa=config.swa_pool_tokens, page_size=page, dtype=torch.float32, head_num=1,
+                head_dim=4, swa_attention_layer_ids=[0], full_attention_layer_ids=[1], device="cpu",
                 enable_alt_stream=False,
-            )
+            )  # fmt: skip
             self.allocator = sg.SWATokenToKVPoolAllocator(
                 n,
                 config.swa_pool_tokens,
@@ -87,7 +80,8 @@ class SglangScheduler:
             sliding_window_size=config.sliding_window,
             **rel.cache_params_kwargs(config),
         )
-        self.tree_cache = sg.create_tree_cache(
+        self.tree_cache = rel.create_tree_cache(
+            sg,
             sg.TreeCacheBuildContext(
                 server_args=self.server_args,
                 params=params,
@@ -102,7 +96,8 @@ class SglangScheduler:
                 tp_group=None,
                 full_tokens_per_layer=n if config.swa else None,
                 **rel.tree_context_kwargs(config),
-            )
+            ),
+            config,
         )
         self.new_token_ratio_tracker = sg.NewTokenRatioTracker.from_config()
         self.policy = sg.SchedulePolicy(config.schedule_policy, self.tree_cache, False, False, False)
@@ -315,6 +310,9 @@ class SglangScheduler:
         if self.chunked_req is not req:
             if req.finished() or not rel.holds_kv(req):
                 self._pending_chunked_abort_req = None
+            elif rel.chunk_abort_redispatch:  # it left the chunk: aborted where it is now
+                self._pending_chunked_abort_req = None
+                self.abort(req.rid)
             return
         rel.release_chunk_abort(self.sg, req, self.tree_cache)
         self.chunked_req = None
@@ -360,7 +358,8 @@ class SglangScheduler:
     def get_new_batch_prefill(self, running_batch):
         """``Scheduler._get_new_batch_prefill_raw``, without mixed chunks."""
         sg, rel, config = self.sg, self.release, self.config
-        if running_batch.is_empty():
+        # is_hybrid_swa resets it to try the prefill adder; later releases also reset an empty batch's
+        if config.swa or (rel.empty_running_clears_full and running_batch.is_empty()):
             running_batch.batch_is_full = False
         if (running_batch.batch_is_full or not self.waiting_queue) and self.chunked_req is None:
             return None
