@@ -345,7 +345,7 @@ TURNED_ON = {
     "budget_gate": (0, 5, 23),
     "allocator_budget": (0, 5, 21),
     "paged_torch_path": (0, 5, 22),
-    "triton_by_platform": (0, 5, 23),
+    "triton_by_platform": (0, 5, 22),
     "swa_allocator_takes_req_pool": (0, 5, 20),
     "checker_reads_chunked_req": (0, 5, 20),
     "byte_accounting": (0, 5, 19),

@@ -69,7 +69,7 @@ class Release:
     allocator_budget: bool  # 0.5.21: init_req_max_new_tokens asks allocator.max_new_tokens_for_memory
     # ---- construction and checks
     paged_torch_path: bool  # 0.5.22: mem_cache/allocator/paged.py takes alloc_*_naive where Triton is absent
-    triton_by_platform: bool  # 0.5.23: utils/common.py support_triton consults the platform
+    triton_by_platform: bool  # 0.5.22: utils/common.py support_triton consults the platform
     swa_allocator_takes_req_pool: bool  # 0.5.20: SWATokenToKVPoolAllocator(req_to_token_pool=)
     tree_core_selector: str  # "none" (0.5.18: Python core only), "env" (0.5.19:
     #   SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND read by UnifiedRadixCache), "params" (0.5.21:
@@ -114,7 +114,7 @@ class Release:
             budget_gate=at >= (0, 5, 23),
             allocator_budget=_has(sg.TokenToKVPoolAllocator, "max_new_tokens_for_memory"),
             paged_torch_path=_has(sg.paged, "alloc_decode_naive"),
-            triton_by_platform=at >= (0, 5, 23),
+            triton_by_platform=at >= (0, 5, 22),
             swa_allocator_takes_req_pool="req_to_token_pool" in _params(sg.SWATokenToKVPoolAllocator.__init__),
             tree_core_selector=selector,
             tree_context_takes_chunk_size="effective_chunked_prefill_size" in _fields(sg.TreeCacheBuildContext),
