@@ -1,9 +1,9 @@
-"""CPU launchers for the two Triton kernels SGLang 0.5.18's paged allocator launches.
+"""CPU launchers for the two Triton kernels the paged allocator of SGLang 0.5.18 to 0.5.21 launches.
 
-``PagedTokenToKVPoolAllocator.alloc_extend`` / ``alloc_decode`` in 0.5.18
+``PagedTokenToKVPoolAllocator.alloc_extend`` / ``alloc_decode`` in those releases
 (``sglang/srt/mem_cache/allocator/paged.py``) launch ``alloc_extend_kernel[(bs,)](...)`` and
-``alloc_decode_kernel[(bs,)](...)``, Triton kernels with no CPU branch in that release (0.5.23's
-class takes its own torch path on a CPU, so nothing here is used there). Every other part of the
+``alloc_decode_kernel[(bs,)](...)``, Triton kernels with no CPU branch (from 0.5.22 the class
+takes its own torch path on a CPU, ``Release.paged_torch_path``, so nothing here is used there). Every other part of the
 allocator (``free_pages`` bookkeeping, ``get_num_new_pages``, frees, free groups) stays SGLang's.
 The launchers compute the same ``out_indices`` with SGLang's own torch code:
 
@@ -48,7 +48,7 @@ class _DecodeLauncher:
 
 
 def install() -> None:
-    """Point 0.5.18's paged allocator at the CPU launchers (idempotent)."""
+    """Point the paged allocator at the CPU launchers (idempotent)."""
     import sglang.srt.mem_cache.allocator.paged as paged
 
     if not isinstance(paged.alloc_extend_kernel, _ExtendLauncher):
