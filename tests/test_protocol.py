@@ -157,7 +157,7 @@ PROBES_LEFT = {
         3,
         "SGLang's tree classes differ: RadixCache totals itself, UnifiedRadixCache per component in a core",
     ),
-    "kvprop/targets/sglang/release.py": (1, "SGLang's API per release, told apart by a function 0.5.19 added"),
+    "kvprop/targets/sglang/release.py": (1, "SGLang's API per release, each facet read from what the release defines"),
     "kvprop/targets/sglang/engine.py": (1, "the bound method of SGLang's tree an observer wraps"),
     "kvprop/repro/script_events.py": (1, "the reproducer's read of an event's group, which events carry from 0.30.0"),
     "kvprop/repro/vllm_scheduler_record.py": (1, "the engine's operations, wrapped by name to record them"),

@@ -119,7 +119,7 @@ class SglangEngine:
         """The tree's eviction entry points call through unchanged; an eviction that freed
         cached tokens is counted as kvprop's eviction event."""
         tree = self.scheduler.tree_cache
-        for name in ("evict",) if self.release.legacy else ("evict", "evict_for_alloc"):
+        for name in ("evict", "evict_for_alloc") if self.release.evict_for_alloc else ("evict",):
             real = getattr(tree, name)  # the bound method the instance attribute wraps
 
             def observed(*args, _real=real, **kwargs):

@@ -124,12 +124,6 @@ class Release:
             aux_cache_allocator=_has(sg.ReqToTokenPool, "reset_aux_cache_allocator"),
         )
 
-    @property
-    def legacy(self) -> bool:
-        """The tree's one eviction entry point is ``evict`` (no ``evict_for_alloc``), as in 0.5.18;
-        read where the eviction entry points are wrapped."""
-        return not self.evict_for_alloc
-
     # ---- construction --------------------------------------------------------------
     def server_fields(self, config) -> dict:
         """``attention_backend="torch_native"`` makes ``support_triton(backend)`` False, so
