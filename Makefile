@@ -113,7 +113,7 @@ test-sglang:
 		bash scripts/sglang-env.sh $$v $(SGLANG_ENVS)$$v; \
 		echo "== SGLang $$v"; \
 		PYTHONWARNINGS=ignore KVPROP_PROFILE=$(PROFILE) KVPROP_REQUIRE_SGLANG=1 \
-			$(SGLANG_ENVS)$$v/bin/python -m pytest -m sglang tests/test_sglang_scheduler.py tests/test_sglang_target.py; \
+			$(SGLANG_ENVS)$$v/bin/python -m pytest -m sglang tests/test_sglang_scheduler.py tests/test_sglang_target.py tests/test_sglang_findings.py; \
 	done
 
 # Per release: build, the vLLM tests, a fixed walk budget (300 runs, seed 0); one table row
@@ -121,11 +121,14 @@ test-sglang:
 vllm-matrix:
 	PROFILE=$(PROFILE) bash scripts/vllm-matrix.sh $(VLLM_VERSIONS)
 
-# Every finding's reproducer (findings/*/repro.py) on each release its finding.json names: exit 1
-# where the bug is recorded, 0 where it is fixed; builds the environments it needs first.
+# Every finding's reproducer (findings/*/repro.py, findings/sglang/*/repro.py) on each release
+# its finding.json names: exit 1 where the bug is recorded, 0 where it is fixed; builds the
+# environments it needs first.
 findings: $(STAMP)
 	@set -e; for v in $$($(BIN)/kvprop findings --releases); do bash scripts/vllm-env.sh $$v $(VLLM_ENVS)$$v; done
 	$(BIN)/kvprop findings --envs $(VLLM_ENVS)
+	@set -e; for v in $$($(BIN)/kvprop findings findings/sglang --releases); do bash scripts/sglang-env.sh $$v $(SGLANG_ENVS)$$v; done
+	$(BIN)/kvprop findings findings/sglang --envs $(SGLANG_ENVS)
 
 clean:
 	rm -rf $(VENV) .venv-vllm-* .venv-sglang-* .hypothesis *.egg-info

@@ -20,8 +20,9 @@ import attrs
 
 from kvprop.errors import ConfigError
 from kvprop.exits import EXIT_CLEAN, EXIT_FOUND
-from kvprop.front.bisect import environments, version
+from kvprop.front.bisect import ENGINES, environments, version
 from kvprop.front.report import run_reproducer
+from kvprop.targets.protocol import REGISTRY
 
 FORMAT = "kvprop-finding/1"
 EXPECTED_EXIT = {"affected": 1, "passes": 0, "refuses": 2}
@@ -107,9 +108,11 @@ def cmd_findings(args) -> int:
     envs = environments(args.envs)
     missing = [r for r in needed_releases(findings) if r not in envs]
     if missing:
+        described = REGISTRY.get(findings[0].target)  # one folder holds one engine's findings
+        engine, make = ENGINES.get((described.package if described else None) or "vllm", ENGINES["vllm"])
         raise ConfigError(
-            f"no environment for vLLM {', '.join(missing)} at {args.envs}RELEASE; build them with "
-            f"make vllm-env VLLM_VERSION=RELEASE (make findings builds every one it needs)"
+            f"no environment for {engine} {', '.join(missing)} at {args.envs}RELEASE; build them with "
+            f"make {make}=RELEASE (make findings builds every one it needs)"
         )
     answers = []
     for finding in findings:
