@@ -101,7 +101,7 @@ def cmd_fuzz(args) -> int:
 
 def _summary(args, result) -> dict:
     from kvprop.search.fuzz import FuzzResult
-    from kvprop.sim.engine import EVENTS
+    from kvprop.targets.protocol import reachable_events
 
     result = result or FuzzResult(None, 0, 0, 0.0, frozenset())
     return {
@@ -110,7 +110,7 @@ def _summary(args, result) -> dict:
         "seconds": round(result.seconds, 3),
         "refused_configurations": result.runs - result.executed_runs,
         "refused_reasons": result.refused,
-        "events": {name: name in result.events for name in EVENTS},
+        "events": {name: name in result.events for name in reachable_events(args.target)},
         "seed": args.seed,
         "driver": args.driver,
         "target": args.target or "kvprop",
@@ -127,7 +127,7 @@ def _emit_json(args, summary, **extra) -> None:
 
 def _clean(args, result, summary) -> int:
     from kvprop.search.fuzz import MIN_EXECUTED
-    from kvprop.sim.engine import EVENTS
+    from kvprop.targets.protocol import reachable_events
 
     refused = result.runs - result.executed_runs
     if refused:
@@ -145,7 +145,8 @@ def _clean(args, result, summary) -> int:
         )
         _emit_json(args, summary, verdict="untested")
         return EXIT_USAGE
-    missing = [e for e in EVENTS if e not in result.events]
+    events = reachable_events(args.target)
+    missing = [e for e in events if e not in result.events]
     known = ""
     if result.known:
         counts = ", ".join(f"{key} {n:,}" for key, n in sorted(result.known.items()))
@@ -155,7 +156,7 @@ def _clean(args, result, summary) -> int:
     say(
         args,
         f"clean{known}: {result.runs:,} runs, {result.steps:,} steps in {result.seconds:.1f}s; "
-        f"events reached {len(EVENTS) - len(missing)}/{len(EVENTS)}",
+        f"events reached {len(events) - len(missing)}/{len(events)}",
     )
     if missing:
         say(args, "  not reached: " + "; ".join(missing))

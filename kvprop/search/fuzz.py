@@ -34,6 +34,7 @@ from kvprop.search import trace as tr
 from kvprop.search.signature import signature_of
 from kvprop.search.tally import Tally
 from kvprop.search.trace import Trace
+from kvprop.targets.protocol import reachable_events
 
 REPORT_EVERY = 0.5
 STATUS_EVERY = 2.0
@@ -318,7 +319,7 @@ def _search(opts: FuzzOptions, status, on_find, start: float, store, seen: int, 
 
     for i in range(opts.workers):
         spawn(i, 0)
-    tally = Tally(on_find=on_find)
+    tally = Tally(on_find=on_find, reachable=reachable_events(opts.target))
     shared = interrupted = False
     last_status = time.monotonic()
     try:

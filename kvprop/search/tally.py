@@ -13,7 +13,7 @@ import attrs
 from kvprop.search import trace as tr
 from kvprop.search.signature import signature_of
 from kvprop.search.trace import Trace
-from kvprop.sim.engine import EVENTS
+from kvprop.sim.events import EVENTS
 
 
 @attrs.define
@@ -21,6 +21,7 @@ class Tally:
     """What the workers have reported: progress adds up; finds are kept by (index, worker)."""
 
     on_find: Callable[[Trace, str | None], None] | None = None  # each find as it is taken, with its log
+    reachable: tuple = EVENTS  # the engine events the target can reach (kvprop.targets.protocol)
     runs: int = 0
     steps: int = 0
     events: set = attrs.field(factory=set)
@@ -82,5 +83,6 @@ class Tally:
         known = f" | known {sum(self.known.values()):,} ({len(self.known)} distinct)" if self.known else ""
         return (
             f"[{elapsed:7.1f}s] runs {self.runs:,} | steps {self.steps:,} | {rate:,.0f} steps/s | "
-            f"failures {len(self.finds)}{known} | events {len(self.events & set(EVENTS))}/{len(EVENTS)}{refused}"
+            f"failures {len(self.finds)}{known} | events {len(self.events & set(self.reachable))}/{len(self.reachable)}"
+            f"{refused}"
         )

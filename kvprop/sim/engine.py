@@ -15,9 +15,7 @@ from __future__ import annotations
 from kvprop.allocator.specs import EngineConfig, Mamba
 from kvprop.capabilities import EVERY, Capabilities
 from kvprop.sim.connector import Connector
-from kvprop.sim.hooks import Hooks
-from kvprop.sim.misuse import MISUSES, BuggyCaller
-from kvprop.sim.scheduler import (
+from kvprop.sim.events import (
     EV_ABORT_LOAD,
     EV_CROSS_GROUP,
     EV_EVICT,
@@ -28,9 +26,10 @@ from kvprop.sim.scheduler import (
     EV_SPEC_ACCEPT,
     EV_SPEC_REJECT,
     EVENTS,
-    Scheduler,
-    StepReport,
 )
+from kvprop.sim.hooks import Hooks
+from kvprop.sim.misuse import MISUSES, BuggyCaller
+from kvprop.sim.scheduler import Scheduler, StepReport
 from kvprop.sim.target_calls import TargetCalls
 from kvprop.sim.worker import Worker
 

@@ -27,24 +27,21 @@ from kvprop.capabilities import Capabilities
 from kvprop.errors import RequestError, TargetCrash
 from kvprop.sim.chunking import ChunkRules
 from kvprop.sim.connector import Connector
+from kvprop.sim.events import (
+    EV_ABORT_LOAD,
+    EV_CROSS_GROUP,
+    EV_EVICT,
+    EV_LOAD_FAIL,
+    EV_PREEMPT,
+    EV_REHIT,
+    EV_SKIP,
+    EV_SPEC_ACCEPT,
+    EV_SPEC_REJECT,
+)
 from kvprop.sim.hooks import Hooks
 from kvprop.sim.load_room import LoadRoom
 from kvprop.sim.request import Request, Status, arrival, live
 from kvprop.sim.target_calls import TargetCalls
-
-EVENTS = (
-    "cross-group hit + external tokens, hit block at free-queue head",
-    "evicted a cached block",
-    "preemption",
-    "re-hit after preemption",
-    "window skip",
-    "async load failure",
-    "abort during load",
-    "drafts all accepted",
-    "draft rejected",
-)
-(EV_CROSS_GROUP, EV_EVICT, EV_PREEMPT, EV_REHIT, EV_SKIP, EV_LOAD_FAIL, EV_ABORT_LOAD) = EVENTS[:7]
-EV_SPEC_ACCEPT, EV_SPEC_REJECT = EVENTS[7:]
 
 
 @attrs.define

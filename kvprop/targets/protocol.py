@@ -20,6 +20,7 @@ import attrs
 
 from kvprop.capabilities import ANY_SHAPE, EVERY, NONE, Capabilities, Shapes
 from kvprop.errors import ConfigError
+from kvprop.sim.events import EV_EVICT, EV_PREEMPT, EV_REHIT, EVENTS
 
 __all__ = ["ANY_SHAPE", "EVERY", "NONE", "Allocator", "Built", "Capabilities", "Shapes", "Target", "View"]
 
@@ -205,6 +206,8 @@ class Target:
     # before the factory (which sees only the allocator's); a ConfigError refuses the configuration
     startup: str | None = None
     package: str | None = None  # the distribution whose release it drives (its version is reported)
+    # the engine events (kvprop.sim.events) its engine can reach, which a search reports; None: every one
+    events: tuple[str, ...] | None = None
 
 
 # vLLM's targets declare every call of the contract but a group's tables at once and an O(1)
@@ -248,6 +251,7 @@ REGISTRY = {
             own_scheduler=True,
             startup="kvprop.targets.sglang.shape:check_startup",
             package="sglang",
+            events=(EV_EVICT, EV_PREEMPT, EV_REHIT),  # no loads, no drafts, no window skipping here
         ),
     )
 }
@@ -272,6 +276,12 @@ def resolve(name: str | None) -> Target:
     if not sep or not attr.isidentifier() or not all(p.isidentifier() for p in module_name.split(".")):
         raise ConfigError(f"target must be {NAMES}, got {name!r}")
     return Target(name, name, "a user's allocator, loaded by path", None)
+
+
+def reachable_events(name: str | None) -> tuple[str, ...]:
+    """The engine events a run on ``name`` can reach: what its declaration says, else every one."""
+    declared = resolve(name).events
+    return EVENTS if declared is None else declared
 
 
 def capabilities(name: str | None) -> Capabilities | None:
