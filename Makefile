@@ -8,7 +8,7 @@ FUZZ_ARGS ?=
 PROFILE ?= ci
 
 .PHONY: all setup test test-fast fuzz repro bench bench-quick benchmarks lint docs clean vllm-env test-vllm vllm-matrix findings \
-	sglang-env test-sglang
+	sglang-env test-sglang sglang-matrix
 
 all: test
 
@@ -119,7 +119,12 @@ test-sglang:
 # Per release: build, the vLLM tests, a fixed walk budget (300 runs, seed 0); one table row
 # each. E.g. make vllm-matrix VLLM_VERSIONS="0.22.1 0.23.0 0.24.0 0.25.1 0.30.0 0.33.0"
 vllm-matrix:
-	PROFILE=$(PROFILE) bash scripts/vllm-matrix.sh $(VLLM_VERSIONS)
+	PROFILE=$(PROFILE) bash scripts/matrix.sh vllm $(VLLM_VERSIONS)
+
+# The same per SGLang release (no agreement column: kvprop has no model of SGLang to agree with).
+# E.g. make sglang-matrix SGLANG_VERSIONS="0.5.18 0.5.19 0.5.20 0.5.21 0.5.22 0.5.23"
+sglang-matrix:
+	PROFILE=$(PROFILE) bash scripts/matrix.sh sglang $(SGLANG_VERSIONS)
 
 # Every finding's reproducer (findings/*/repro.py, findings/sglang/*/repro.py) on each release
 # its finding.json names: exit 1 where the bug is recorded, 0 where it is fixed; builds the

@@ -7,7 +7,7 @@ kvprop models it (``allocator_refusal``, ``scheduler_refusal``: each names itsel
 release), told from the release's own code, never from its version number. The step-for-step
 comparison leaves the parts a release lacks out of its walks and runs kvprop's allocator as the
 release's known bugs (``reference_variant``), so that everything else is still compared: one
-table, read by ``kvprop agree --release-rules``, the vLLM tests and ``scripts/vllm-matrix.sh``.
+table, read by ``kvprop agree --release-rules``, the vLLM tests and ``scripts/matrix.sh``.
 """
 
 from __future__ import annotations
