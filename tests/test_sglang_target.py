@@ -11,6 +11,8 @@ import json
 import os
 import subprocess
 import sys
+from importlib.metadata import version
+from pathlib import Path
 
 import attrs
 import pytest
@@ -21,7 +23,8 @@ from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention,
 from kvprop.check import sglang as sglang_checks  # noqa: E402
 from kvprop.check.checker import Checker  # noqa: E402
 from kvprop.errors import Violation  # noqa: E402
-from kvprop.search.execute import run  # noqa: E402
+from kvprop.search import trace as tr  # noqa: E402
+from kvprop.search.execute import execute, run  # noqa: E402
 from kvprop.search.harness import Harness  # noqa: E402
 from kvprop.search.walk import operations, start  # noqa: E402
 from kvprop.targets import build_engine, shapes_of  # noqa: E402
@@ -165,3 +168,29 @@ def test_kvprop_fuzz_runs_walks_on_sglang_and_reports_them(tmp_path):
         4,
         True,
     ), out.stderr[-2000:]
+
+
+# SGLang's finds (docs/findings.md, "Findings in SGLang"): each trace, the kind it breaks and the
+# releases it affects, as kvprop bisect found them. On the installed release the replay
+# reproduces the kind where the release is affected and runs clean where it is not.
+ROOT = Path(__file__).parent.parent
+RELEASES = ("0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
+FINDS = {
+    "swa-grouped-free-remap": ("tests/data/sglang", "sglang-kv-data", RELEASES[:1]),
+    "swa-window-rematch-assert": ("tests/data/sglang", "target-crash", RELEASES[:2]),
+    "swa-window-keep-short": ("tests/data/sglang", "sglang-pool-conservation", RELEASES[:5]),
+    "swa-own-prefix-wait": ("findings/sglang/swa-own-prefix-wait", "liveness", RELEASES),
+}
+
+
+def _trace_of(name: str) -> Path:
+    folder = ROOT / FINDS[name][0]
+    return folder / ("trace.json" if folder.name == name else f"{name}.json")
+
+
+@pytest.mark.parametrize("name", sorted(FINDS))
+def test_a_find_reproduces_exactly_on_the_releases_it_affects(name):
+    _, kind, affected = FINDS[name]
+    failure = execute(tr.load(_trace_of(name)), target="sglang")
+    expected = kind if version("sglang") in affected else None
+    assert (failure.kind if failure else None) == expected
