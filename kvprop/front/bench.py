@@ -227,10 +227,8 @@ def vllm_here(quick: bool, journal=None, progress=_progress) -> list[dict]:
     _walk_rate(0.01, False, None, target="vllm")  # imports vLLM (a ConfigError without it), not timed
     seconds, steps = (2.0, 20) if quick else (8.0, 60)
     rows = []
-    for checks in (True, False):
-        progress(f"vLLM target: walk, checks {'on' if checks else 'off'}")
-        rate, n = _walk_rate(seconds, checks, None, target="vllm")
-        rows.append({"measure": f"walk, checks {'on' if checks else 'off'} (ops/s)", "value": round(rate), "steps": n})
+    for name in ("vllm", "vllm-scheduler"):
+        rows += _checked_vs_unchecked(name, seconds, progress)
     saved = target.WATCH_FROM_BLOCKS
     try:
         for num_blocks in (256, 4096):
@@ -262,20 +260,26 @@ def sglang(quick: bool) -> list[dict]:
 
 
 def sglang_here(quick: bool, journal=None, progress=_progress) -> list[dict]:
-    """In the worker: walk throughput with every SGLang check on and with none, over the sampled
-    configurations as ``kvprop fuzz`` runs them, and their ratio, measured in one run."""
+    """In the worker: walk throughput with every SGLang check on and with none."""
     _walk_rate(0.01, False, None, target="sglang")  # imports SGLang (a ConfigError without it), not timed
-    seconds = 3.0 if quick else 15.0
+    return _checked_vs_unchecked("sglang", 3.0 if quick else 15.0, progress)
+
+
+def _checked_vs_unchecked(target: str, seconds: float, progress) -> list[dict]:
+    """Walk throughput on ``target`` with every check on and with none, over the sampled
+    configurations as ``kvprop fuzz`` runs them, and checked / unchecked, measured in one run."""
     rates = {}
     for checks in (True, False):
-        progress(f"SGLang target: walk, checks {'on' if checks else 'off'}")
-        rates[checks] = _walk_rate(seconds, checks, None, target="sglang")
+        progress(f"{target}: walk, checks {'on' if checks else 'off'}")
+        rates[checks] = _walk_rate(seconds, checks, None, target=target)
     rows = [
-        {"measure": f"walk, checks {'on' if checks else 'off'} (ops/s)", "value": round(rate), "steps": n}
+        {"measure": f"{target}: walk, checks {'on' if checks else 'off'} (ops/s)", "value": round(rate), "steps": n}
         for checks, (rate, n) in rates.items()
     ]
-    ratio = rates[False][0] / rates[True][0] if rates[True][0] else None
-    rows.append({"measure": "unchecked / checked ops/s", "value": round(ratio, 2) if ratio else None, "steps": None})
+    ratio = rates[True][0] / rates[False][0] if rates[False][0] else None
+    rows.append(
+        {"measure": f"{target}: checked / unchecked ops/s", "value": round(ratio, 2) if ratio else None, "steps": None}
+    )
     return rows
 
 
