@@ -21,7 +21,7 @@ set -uo pipefail
 
 ENGINE=${1:-}
 case $ENGINE in
-  vllm) TESTS="tests/test_vllm_target.py tests/test_vllm_scheduler.py" ;;
+  vllm) TESTS="tests/test_vllm_target.py tests/test_vllm_scheduler.py tests/test_vllm_specs.py" ;;
   sglang) TESTS="tests/test_sglang_scheduler.py tests/test_sglang_target.py" ;;
   *) echo "usage: $0 vllm|sglang VERSION...   (e.g. vllm 0.23.0 0.24.0)" >&2; exit 2 ;;
 esac

@@ -177,6 +177,25 @@ def test_measure_in_process_and_render():
     assert len(header) == len(rule)  # aligned columns under one rule
 
 
+def test_the_specs_a_release_registers_are_counted_and_each_not_driven_one_named_with_its_reason():
+    import attrs
+
+    report = attrs.evolve(
+        kc.measure(seconds=0.1, seed=1, max_ops=5),
+        specs=(
+            {"spec": "FullAttentionSpec", "manager": "FullAttentionManager", "driven": True, "reason": ""},
+            {"spec": "RingSpec", "manager": "RingManager", "driven": False, "reason": "a ring"},
+            {"spec": "NewSpec", "manager": "NewManager", "driven": False, "reason": None},
+        ),
+    )
+    lines = [line.split() for line in kc.render(report).splitlines() if line.lstrip().startswith(("specs ", "not "))]
+    assert lines == [
+        ["specs", "driven:", "1", "of", "3", "the", "release", "registers"],
+        ["not", "driven:", "RingSpec", "a", "ring"],
+        ["not", "driven:", "NewSpec", "kvprop", "records", "no", "reason"],
+    ]
+
+
 # ---- bad input: exit 2 with a message ---------------------------------------------------------
 
 

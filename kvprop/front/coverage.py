@@ -33,6 +33,8 @@ import time
 import warnings
 from pathlib import Path
 
+import attrs
+
 from kvprop.errors import ConfigError
 from kvprop.front.coverage_figures import ZERO, Figures, Report, Scope, render, tabulate
 
@@ -322,6 +324,11 @@ def measure(
     elapsed = time.monotonic() - started
     setup = started - setup
     files, classes, never, empty = tabulate(cov, sc)
+    specs: tuple = ()
+    if any(one in VLLM_TARGETS for one in targets):  # the specs the release registers, driven or not
+        from kvprop.targets.vllm.specs import census
+
+        specs = tuple(attrs.asdict(row) for row in census())
     if html_dir is not None:
         html_dir.mkdir(parents=True, exist_ok=True)
         cov.html_report(morfs=list(sc.files), directory=str(html_dir), title=f"kvprop coverage: {sc.measured}")
@@ -346,4 +353,5 @@ def measure(
         empty_files=tuple(empty),
         imported_before=tuple(imported_before),
         html=str(html_dir / "index.html") if html_dir is not None else None,
+        specs=specs,
     )

@@ -103,6 +103,9 @@ class Report:
     empty_files: tuple = ()  # measured files without a single statement (a docstring alone)
     imported_before: tuple = ()  # measured modules imported before measuring began
     html: str | None = None
+    # for an engine that registers KV cache specs (vLLM): each registered spec as a dict
+    # (spec, manager, driven, reason), kvprop.targets.vllm.specs.census
+    specs: tuple = ()
 
     @property
     def total(self) -> Figures:
@@ -133,6 +136,7 @@ class Report:
             "empty_files": list(self.empty_files),
             "imported_before": list(self.imported_before),
             "html": self.html,
+            "specs": [dict(row) for row in self.specs],
         }
 
 
@@ -293,6 +297,15 @@ def render(report: Report) -> str:
         f"ran {r.runs:,} walks, {r.steps:,} steps in {r.seconds:.1f}s (after {r.setup_seconds:.1f}s of set-up; "
         f"{r.finds:,} finds, {r.refused:,} configurations refused)",
     ]
+    if r.specs:
+        driven = [row for row in r.specs if row["driven"]]
+        lines.append(f"specs driven: {len(driven)} of {len(r.specs)} the release registers")
+        width = max(len(row["spec"]) for row in r.specs)
+        lines += [
+            f"  not driven: {row['spec']:<{width}}  {row['reason'] or 'kvprop records no reason'}"
+            for row in r.specs
+            if not row["driven"]
+        ]
     if r.imported_before:
         lines.append(
             f"note: {', '.join(r.imported_before)} were imported before measuring began: "
