@@ -159,7 +159,10 @@ PROBES_LEFT = {
     ),
     "kvprop/targets/sglang/release.py": (1, "SGLang's API per release, each facet read from what the release defines"),
     "kvprop/targets/sglang/engine.py": (1, "the bound method of SGLang's tree an observer wraps"),
-    "kvprop/targets/vllm/specs.py": (3, "where the installed vLLM release registers its KV cache specs, and how it names roles"),
+    "kvprop/targets/vllm/specs.py": (
+        3,
+        "where the installed vLLM release registers its KV cache specs, and how it names roles",
+    ),
     "kvprop/repro/script_events.py": (1, "the reproducer's read of an event's group, which events carry from 0.30.0"),
     "kvprop/repro/vllm_scheduler_record.py": (1, "the engine's operations, wrapped by name to record them"),
     "kvprop/targets/vllm/recipe.py": (1, "one of vLLM's start-up checks, run by the name it is recorded under"),
