@@ -228,7 +228,7 @@ def test_lock_refs_fire_on_a_bumped_lock_ref(name):
 def test_slot_check_fires_on_a_tree_slot_freed_behind_its_back(name):
     sched = busy(name)
     node = oracles._nodes(sched.tree_cache)[0]
-    value = oracles._value(sched.tree_cache, node)
+    value = oracles.node_value(sched.tree_cache, node)
     sched.allocator.free(value[: sched.config.page_size])
     assert _kind(oracles.check_slots_disjoint, sched) == "sglang-slot-held-twice"
 

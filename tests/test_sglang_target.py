@@ -97,7 +97,7 @@ def _overwrite_cached(engine) -> None:
     """The sixth slot of the first request's cached prompt, overwritten in SGLang's KV buffer."""
     tree = engine.scheduler.tree_cache
     (node,) = sglang_checks.tree_root(tree).children.values()
-    engine._full[int(sglang_checks.full_value(tree, node)[5])] = 12345.0
+    engine._full[int(sglang_checks.node_value(tree, node)[5])] = 12345.0
 
 
 def test_the_data_oracle_catches_a_cached_slot_overwritten_behind_the_tree():

@@ -353,7 +353,7 @@ class Checker(Hooks):
         root = sglang.tree_root(tree)
         if root is not None:
             sglang_data.check_tree_data(
-                root, lambda node: sglang.full_value(tree, node), lambda slots: engine.read("full-attention", slots)
+                root, lambda node: sglang.node_value(tree, node), lambda slots: engine.read("full-attention", slots)
             )
 
 

@@ -33,7 +33,7 @@ def _components(tree) -> tuple | None:
     return getattr(tree, "tree_components", None)
 
 
-def _root(tree):
+def tree_root(tree):
     """The root node Python can walk, or None (the Rust tree core)."""
     core = getattr(tree, "tree_core", None)
     if core is None:
@@ -44,23 +44,13 @@ def _root(tree):
         return None
 
 
-def tree_root(tree):
-    """The root of a tree Python can walk, or None (the Rust tree core)."""
-    return _root(tree)
-
-
-def full_value(tree, node):
-    """A node's full-attention slots (None where it holds none)."""
-    return _value(tree, node)
-
-
 def walkable(sched) -> bool:
-    return _root(sched.tree_cache) is not None
+    return tree_root(sched.tree_cache) is not None
 
 
 def _nodes(tree) -> list:
     """Every non-root node, parents first."""
-    out, stack = [], list(_root(tree).children.values())
+    out, stack = [], list(tree_root(tree).children.values())
     while stack:
         node = stack.pop()
         out.append(node)
@@ -68,7 +58,8 @@ def _nodes(tree) -> list:
     return out
 
 
-def _value(tree, node, component: int = FULL):
+def node_value(tree, node, component: int = FULL):
+    """A node's slots in ``component`` (full attention by default); None where it holds none."""
     return node.value if _components(tree) is None else node.component(component).value
 
 
@@ -142,7 +133,7 @@ def check_totals(sched) -> None:
     for label, evictable, protected, component in checks:
         want_e = want_p = 0
         for node in nodes:
-            value = _value(tree, node, component)
+            value = node_value(tree, node, component)
             if value is None:
                 continue
             if _lock_ref(tree, node, component) > 0:
@@ -161,7 +152,7 @@ def check_lock_refs(sched) -> None:
     """Every non-root node's (full) lock count equals the live requests whose locked node lies in
     its subtree, and a locked node's ancestors are locked."""
     tree, rel = sched.tree_cache, sched.release
-    root = _root(tree)
+    root = tree_root(tree)
     expected: dict[int, int] = {}
     for req in sched.live_requests():
         handle = rel.locked_node(req)
@@ -195,7 +186,7 @@ def check_slots_disjoint(sched) -> None:
     rows = sched.req_to_token_pool.req_to_token
     holders: list[tuple[str, list]] = []
     for node in _nodes(tree):
-        value = _value(tree, node)
+        value = node_value(tree, node)
         if value is not None:
             holders.append((f"tree node {node.id}", value.tolist()))
     for req in sched.live_requests():

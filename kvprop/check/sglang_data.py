@@ -45,15 +45,17 @@ def check_read(request_id: str, layer: str, positions: range, slots, values, exp
 def check_tree_data(root, value_of, read_full) -> None:
     """Every cached node's full-attention slots hold the fingerprints of its path from the root
     (``root``: a walkable tree's root; ``value_of(node)``: its full-attention slots, or None;
-    ``read_full(slots)``: the values those slots hold)."""
-    stack: list[tuple] = [(child, []) for child in root.children.values()]
+    ``read_full(slots)``: the values those slots hold). Each node extends its parent's
+    fingerprints by its own tokens."""
+    stack: list[tuple] = [(child, [], []) for child in root.children.values()]
     while stack:
-        node, above = stack.pop()
+        node, above, fingerprints = stack.pop()
         tokens = [*above, *(int(t) for t in node.key.token_ids)]  # SGLang's RadixKey
+        fingerprints = extend_fingerprints(list(fingerprints), tokens)
         value = value_of(node)
         slots = [int(s) for s in value] if value is not None else []
         if slots:
-            expected = extend_fingerprints([], tokens)[len(above) :]
+            expected = fingerprints[len(above) :]
             for i, (slot, got, want) in enumerate(zip(slots, read_full(slots), expected, strict=False)):
                 if got != want:
                     raise Violation(
@@ -61,4 +63,4 @@ def check_tree_data(root, value_of, read_full) -> None:
                         f"a cached node's KV slot {slot} (position {len(above) + i} of its path) does not hold "
                         f"what its tokens computed (read {got:.0f}, expected {want})",
                     )
-        stack.extend((child, tokens) for child in node.children.values())
+        stack.extend((child, tokens, fingerprints) for child in node.children.values())

@@ -109,7 +109,8 @@ def cmd_findings(args) -> int:
     missing = [r for r in needed_releases(findings) if r not in envs]
     if missing:
         described = REGISTRY.get(findings[0].target)  # one folder holds one engine's findings
-        engine, make = ENGINES.get((described.package if described else None) or "vllm", ENGINES["vllm"])
+        package = described.package if described is not None and described.package in ENGINES else "vllm"
+        engine, make = ENGINES[package]
         raise ConfigError(
             f"no environment for {engine} {', '.join(missing)} at {args.envs}RELEASE; build them with "
             f"make {make}=RELEASE (make findings builds every one it needs)"
