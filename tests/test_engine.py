@@ -11,7 +11,7 @@ from helpers import engine
 from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow
 from kvprop.check.checker import Checker, drain
 from kvprop.errors import ConfigError, RequestError, Violation
-from kvprop.sim.engine import EV_ABORT_LOAD, EV_LOAD_FAIL, EV_PREEMPT, EV_REHIT
+from kvprop.sim.events import EV_ABORT_LOAD, EV_LOAD_FAIL, EV_PREEMPT, EV_REHIT
 from kvprop.sim.request import Status
 
 

@@ -12,7 +12,7 @@ from kvprop.errors import Violation
 from kvprop.search import profiles
 from kvprop.search.alphabet import OPERATIONS, AddRequest, RandomChooser, Step, sample_weights
 from kvprop.search.machine import machine_for
-from kvprop.sim.engine import EVENTS
+from kvprop.sim.events import EVENTS
 
 
 def _settings(**overrides):

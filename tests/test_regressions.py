@@ -33,7 +33,7 @@ from helpers import (
 from kvprop.allocator.specs import FullAttention, SlidingWindow
 from kvprop.check.checker import Checker, drain
 from kvprop.errors import Violation
-from kvprop.sim.engine import EV_CROSS_GROUP
+from kvprop.sim.events import EV_CROSS_GROUP
 from kvprop.sim.request import Status
 
 VARIANTS = [pytest.param(None, id="fixed"), pytest.param(BUGGY, id=BUGGY)]

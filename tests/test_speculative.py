@@ -12,7 +12,7 @@ from kvprop.check.checker import Checker, drain
 from kvprop.search.alphabet import AddRequest
 from kvprop.search.execute import execute
 from kvprop.search.trace import Trace
-from kvprop.sim.engine import EV_SPEC_ACCEPT, EV_SPEC_REJECT
+from kvprop.sim.events import EV_SPEC_ACCEPT, EV_SPEC_REJECT
 
 PROMPTS = [[0, 1, 2, 3, 0, 1, 2], [3, 3, 1], [2, 0, 2, 0, 2, 0, 2, 0, 1], [1]]
 

@@ -32,7 +32,7 @@ from kvprop.search import trace as tr  # noqa: E402
 from kvprop.search.execute import execute  # noqa: E402
 from kvprop.search.harness import Harness  # noqa: E402
 from kvprop.search.walk import plan, run_walk  # noqa: E402
-from kvprop.sim.engine import EV_LOAD_FAIL, EV_PREEMPT, EV_SPEC_ACCEPT, EV_SPEC_REJECT  # noqa: E402
+from kvprop.sim.events import EV_LOAD_FAIL, EV_PREEMPT, EV_SPEC_ACCEPT, EV_SPEC_REJECT  # noqa: E402
 from kvprop.sim.request import Status  # noqa: E402
 from kvprop.targets import build_engine  # noqa: E402
 from kvprop.targets.vllm.releases import scheduler_refusal  # noqa: E402

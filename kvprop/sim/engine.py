@@ -15,18 +15,6 @@ from __future__ import annotations
 from kvprop.allocator.specs import EngineConfig, Mamba
 from kvprop.capabilities import EVERY, Capabilities
 from kvprop.sim.connector import Connector
-from kvprop.sim.events import (
-    EV_ABORT_LOAD,
-    EV_CROSS_GROUP,
-    EV_EVICT,
-    EV_LOAD_FAIL,
-    EV_PREEMPT,
-    EV_REHIT,
-    EV_SKIP,
-    EV_SPEC_ACCEPT,
-    EV_SPEC_REJECT,
-    EVENTS,
-)
 from kvprop.sim.hooks import Hooks
 from kvprop.sim.misuse import MISUSES, BuggyCaller
 from kvprop.sim.scheduler import Scheduler, StepReport
@@ -34,16 +22,6 @@ from kvprop.sim.target_calls import TargetCalls
 from kvprop.sim.worker import Worker
 
 __all__ = [
-    "EVENTS",
-    "EV_ABORT_LOAD",
-    "EV_CROSS_GROUP",
-    "EV_EVICT",
-    "EV_LOAD_FAIL",
-    "EV_PREEMPT",
-    "EV_REHIT",
-    "EV_SKIP",
-    "EV_SPEC_ACCEPT",
-    "EV_SPEC_REJECT",
     "MISUSES",
     "Engine",
     "Hooks",

@@ -13,7 +13,7 @@ target code; in kvprop's own process it is the user's Ctrl-C.
 
 from __future__ import annotations
 
-from kvprop.errors import TargetCrash, Violation
+from kvprop.errors import RequestError, TargetCrash, Violation
 
 TARGET_ERRORS: tuple = (Exception, SystemExit)
 
@@ -66,3 +66,38 @@ class TargetCalls:
 
     def get_block_ids(self, request_id: str):
         return self._cross("get_block_ids", request_id)
+
+
+class HookFailed(Exception):
+    """Carries an error of kvprop's own code out through the target's, so the call re-raises the
+    original instead of reporting it as the target's crash."""
+
+
+class OwnLoopCalls:
+    """The calls of an engine whose target runs its own scheduling loop and calls kvprop back from
+    inside it (vLLM's ``Scheduler``, SGLang's event loop): ``_call`` makes a call into the target,
+    ``_hook`` runs kvprop's code from inside one. A ``Violation`` and a ``RequestError`` (a refusal
+    of the request, kvprop's or the engine's) pass through; an error of kvprop's own is re-raised as
+    itself; anything else the target raised is its crash."""
+
+    _hook_error: BaseException | None = None
+
+    def _hook(self, fn, *args):
+        try:
+            return fn(*args)
+        except Violation:
+            raise
+        except Exception as e:
+            self._hook_error = e
+            raise HookFailed() from e
+
+    def _call(self, what: str, fn, *args):
+        self._hook_error = None
+        try:
+            return fn(*args)
+        except (Violation, TargetCrash, RequestError):
+            raise
+        except TARGET_ERRORS as e:
+            if self._hook_error is not None:
+                raise self._hook_error from None
+            raise TargetCrash(what, e) from e

@@ -24,11 +24,12 @@ import attrs
 from kvprop.allocator.specs import EngineConfig
 from kvprop.capabilities import NONE
 from kvprop.check.sglang_data import extend_fingerprints
-from kvprop.errors import RequestError, TargetCrash, Violation
-from kvprop.sim import target_calls
-from kvprop.sim.engine import EV_EVICT, EV_PREEMPT, EV_REHIT, StepReport
+from kvprop.errors import RequestError
+from kvprop.sim.engine import StepReport
+from kvprop.sim.events import EV_EVICT, EV_PREEMPT, EV_REHIT
 from kvprop.sim.hooks import Hooks
 from kvprop.sim.request import Status, arrival, live
+from kvprop.sim.target_calls import OwnLoopCalls
 from kvprop.targets.sglang.scheduler import SglangScheduler
 from kvprop.targets.sglang.shape import sglang_config
 
@@ -76,11 +77,7 @@ class SglangView:
         return self.engine.scheduler.allocator.available_size() // self.block_size
 
 
-class _HookFailed(Exception):
-    """Carries an error of kvprop's own checks out through SGLang's code (never the target's crash)."""
-
-
-class SglangEngine:
+class SglangEngine(OwnLoopCalls):
     """kvprop's engine interface over an ``SglangScheduler``."""
 
     terms = "sglang"  # judged in SGLang's terms (kvprop.check.checker)
@@ -105,7 +102,6 @@ class SglangEngine:
         self.events: Counter = Counter()
         self.next_id = 0
         self._fingerprints: dict[str, list[int]] = {}
-        self._hook_error: BaseException | None = None
         self._evicted = False
         self._aborted: set[str] = set()
         kv = self.scheduler.kvcache
@@ -130,27 +126,9 @@ class SglangEngine:
 
             setattr(tree, name, observed)
 
-    def _call(self, what: str, fn, *args):
-        """A call into SGLang: its exception is the target's crash, a check's error is kvprop's."""
-        self._hook_error = None
-        try:
-            return fn(*args)
-        except (Violation, TargetCrash, RequestError):  # RequestError: SGLang's refusal of a request
-            raise
-        except target_calls.TARGET_ERRORS as e:
-            if self._hook_error is not None:
-                raise self._hook_error from None
-            raise TargetCrash(what, e) from e
-
     # ---- the model -------------------------------------------------------------------------
     def _forward(self, batch) -> None:
-        try:
-            self._forward_pass(batch)
-        except Violation:
-            raise
-        except Exception as e:
-            self._hook_error = e
-            raise _HookFailed() from e
+        self._hook(self._forward_pass, batch)
 
     def _forward_pass(self, batch) -> None:
         """Each request reads its computed prefix, then writes the positions it computes."""

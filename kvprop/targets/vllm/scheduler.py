@@ -28,20 +28,11 @@ from __future__ import annotations
 import inspect
 
 from kvprop.allocator.specs import EngineConfig
-from kvprop.errors import ConfigError, TargetCrash, Violation
-from kvprop.sim import target_calls
-from kvprop.sim.engine import (
-    EV_ABORT_LOAD,
-    EV_EVICT,
-    EV_LOAD_FAIL,
-    EV_PREEMPT,
-    EV_SKIP,
-    EV_SPEC_ACCEPT,
-    EV_SPEC_REJECT,
-    Engine,
-    StepReport,
-)
+from kvprop.errors import ConfigError
+from kvprop.sim.engine import Engine, StepReport
+from kvprop.sim.events import EV_ABORT_LOAD, EV_EVICT, EV_LOAD_FAIL, EV_PREEMPT, EV_SKIP, EV_SPEC_ACCEPT, EV_SPEC_REJECT
 from kvprop.sim.request import Status
+from kvprop.sim.target_calls import OwnLoopCalls
 from kvprop.targets.vllm.config import build_scheduler
 from kvprop.targets.vllm.loading import import_scheduler
 from kvprop.targets.vllm.manager import CAPABILITIES, Hits, VllmAllocator
@@ -64,12 +55,7 @@ def build_engine(config: EngineConfig, device=None, hooks=None, canary: bool = F
     return cls(config, device=device, hooks=hooks)
 
 
-class _HookFailed(Exception):
-    """Carries an error of kvprop's own hooks out through vLLM's code, so the step re-raises the
-    original instead of reporting it as the target's crash."""
-
-
-class SchedulerEngine(OffloadWorker, Engine):
+class SchedulerEngine(OwnLoopCalls, OffloadWorker, Engine):
     """kvprop's engine with vLLM's scheduler in charge of every step."""
 
     preempts_on_request = False  # vLLM's scheduler preempts by its own policy, under pressure
@@ -91,7 +77,6 @@ class SchedulerEngine(OffloadWorker, Engine):
         self._init_transfers()
         self.worker: dict[str, list[list[int]]] = {}  # request id -> the block ids the worker holds, per group
         self.report: StepReport | None = None
-        self._hook_error: BaseException | None = None
         self._events: list = []
         self._observe(manager)
 
@@ -133,17 +118,6 @@ class SchedulerEngine(OffloadWorker, Engine):
         manager.take_events = take_events
         manager.allocate_slots = allocate_slots
         manager.free = free
-
-    def _hook(self, fn, *args):
-        """Run a check from inside vLLM's call: a Violation passes through; any other error of
-        kvprop's own is carried out as itself (never the target's crash)."""
-        try:
-            return fn(*args)
-        except Violation:
-            raise
-        except Exception as e:
-            self._hook_error = e
-            raise _HookFailed() from e
 
     def _mirror(self, vreq):
         """kvprop's record of ``vreq``, its computed count and its shared-prefix junction brought
@@ -264,18 +238,6 @@ class SchedulerEngine(OffloadWorker, Engine):
         for g in self.state_groups:
             self.worker_tables.pop((rid, g), None)
             self.state_columns.pop((rid, g), None)
-
-    def _call(self, what: str, fn, *args):
-        """A call into vLLM's scheduler: its exception is the target's crash, a hook's error is kvprop's."""
-        self._hook_error = None
-        try:
-            return fn(*args)
-        except (Violation, TargetCrash):
-            raise
-        except target_calls.TARGET_ERRORS as e:
-            if self._hook_error is not None:
-                raise self._hook_error from None
-            raise TargetCrash(what, e) from e
 
     # ---- operations ----------------------------------------------------------------------
 
