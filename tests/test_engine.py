@@ -256,8 +256,13 @@ def test_a_second_load_waits_while_the_first_would_have_no_room_to_finish(checke
     assert drain(eng, checker) > 0
 
 
+def test_a_load_admitted_without_room_for_the_first_to_finish_is_load_room_short(checker):
+    with pytest.raises(Violation, match="load-room-short: the asynchronous load of 'r1' was admitted leaving 0"):
+        two_loads(checker, "loads-unreserved")
+
+
 def test_loads_admitted_without_room_to_finish_never_end(checker):
-    eng, a, b = two_loads(checker, "loads-unreserved")
+    eng, a, b = two_loads(Checker(enabled=False), "loads-unreserved")  # admitted unjudged
     assert (a.status, b.status, eng.view.num_free_blocks) == (Status.LOADING, Status.LOADING, 0)
     with pytest.raises(Violation, match="liveness: 2 requests still live after 3 drain steps"):
         drain(eng, checker)

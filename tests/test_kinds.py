@@ -157,6 +157,11 @@ def evict_shared_block(eng):
     return [block.block_id]
 
 
+def count_null_block(eng):
+    pool(eng).null_block.ref_cnt -= 1  # released as if a table had held it
+    return [pool(eng).null_block.block_id]
+
+
 def cache_null_block(eng):
     pool(eng).null_block.key = table(eng, "r0", 0)[0].key
     return [pool(eng).null_block.block_id]
@@ -207,6 +212,7 @@ BLOCK_CASES = [
     ("free-queue-repeat", link_twin_of_free_block),
     ("free-count", overcount_free),
     ("null-block-free", free_null_block),
+    ("null-block-count", count_null_block),
     ("block-in-two-groups", swap_groups_in_one_table),
     ("duplicate-in-table", repeat_in_table),
     ("shared-uncached-block", evict_shared_block),
@@ -404,6 +410,38 @@ def request_lost_by_scheduler():
     return lambda: drain(eng, checker, max_steps=5)
 
 
+def continued_on_load_in_flight():
+    eng = engine([FullAttention(4)], 8, hooks=Checker(), connector="async")
+    eng.connector.publish_prefix(SHARED + [3])
+    request = eng.add_request(SHARED + [3], 4)
+    eng.step()
+    assert request.status is Status.LOADING
+    # the scheduler takes the load for landed: the next step continues the request on it
+    request.num_computed_tokens += request.pending_external
+    request.pending_external = 0
+    request.status = Status.LOADED
+    eng.loaded.append(request)
+    return eng.step
+
+
+def two_loads():
+    """Two requests whose prefixes the tier holds: r0's load takes 2 of the 6 blocks its 24
+    tokens need, leaving 5 free; r1's would take 2 more, leaving 3 of the 4 r0 still needs."""
+    eng = engine([FullAttention(4)], 8, hooks=Checker(), connector="async")
+    first, second = [0, 1, 2, 3, 0, 1, 2, 3], [3, 3, 2, 2, 1, 1, 0, 0]
+    eng.connector.publish_prefix(first)
+    eng.connector.publish_prefix(second)
+    eng.add_request(first + [1, 0] * 8, 1)
+    eng.add_request(second + [2], 1)
+    return eng
+
+
+def second_load_without_room():
+    eng = two_loads()
+    eng.reserved_for_loads = lambda request: 0  # r1's load is admitted with no room kept for r0's
+    return eng.step
+
+
 ENGINE_CASES = [
     ("table-too-short", allocation_without_blocks),
     ("write-to-null-block", null_block_at_write),
@@ -411,6 +449,8 @@ ENGINE_CASES = [
     ("connector-handoff", cached_at_handoff),
     ("connector-write-unowned", freed_during_load),
     ("liveness", request_lost_by_scheduler),
+    ("proceeds-before-load", continued_on_load_in_flight),
+    ("load-room-short", second_load_without_room),
 ]
 
 
@@ -435,6 +475,9 @@ def test_engine_scenarios_without_corruption_run_clean():
         if mode == "async":
             eng.finish_load(request.request_id, ok=True)  # the load write
         drain(eng, eng.hooks, max_steps=20)
+    eng = two_loads()
+    assert eng.step().admitted == ["r0"]  # r1's load waits for the room r0's still needs
+    drain(eng, eng.hooks)
 
 
 # ---- refusals (invariant 8): the snapshot check and the incremental changed-block check ----

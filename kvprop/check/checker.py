@@ -11,7 +11,7 @@ every run; otherwise every check is a full sweep.
 from __future__ import annotations
 
 from kvprop.allocator.specs import FullAttention
-from kvprop.check import data, decisions, moments, outcomes, sglang, sglang_data
+from kvprop.check import admission, data, decisions, moments, outcomes, sglang, sglang_data
 from kvprop.check import invariants as inv
 from kvprop.check.events import EventLedger
 from kvprop.check.mirror import Mirror
@@ -41,6 +41,8 @@ class Checker(Hooks):
         # blocks the in-step structural checks judged since the last check_all: their data is
         # judged there, once the step's writes and copies have run
         self.judged_in_step: set = set()
+        # request id -> tokens computed before its load failed, while the request holds its blocks
+        self.failed_loads: dict = {}
 
     def sweep_interval(self, engine) -> int:
         """Checks between full sweeps: ``full_every``, and in a pool of more than
@@ -196,6 +198,7 @@ class Checker(Hooks):
 
     def after_free(self, engine, request) -> None:
         self.dirty.add(request.request_id)
+        self.failed_loads.pop(request.request_id, None)
         if self.enabled:
             moments.freed_request_gone(engine, engine.view, request)
 
@@ -214,6 +217,18 @@ class Checker(Hooks):
     def at_handoff(self, engine, request, tables, num_local: int, num_external: int) -> None:
         if self.enabled:
             moments.handoff_exclusive(engine.view, request, tables, num_local, num_external)
+            if engine.connector.mode == "async":
+                admission.load_room(engine, request)
+
+    def load_resolved(self, engine, request, ok: bool, num_local: int) -> None:
+        if not ok and engine.view.request_block_ids(0, request.request_id) is not None:
+            self.failed_loads[request.request_id] = num_local  # kept its blocks: judged when scheduled
+        if self.enabled:
+            admission.load_resolved(request, ok, num_local)
+
+    def before_execute(self, engine, report) -> None:
+        if self.enabled:
+            admission.scheduled_after_loads(engine, report.scheduled, self.failed_loads)
 
     def before_load_write(self, engine, request, block_ids) -> None:
         if self.enabled:

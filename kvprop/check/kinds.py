@@ -46,6 +46,11 @@ INVARIANTS = {
         Invariant(12, "a freed request leaves nothing behind; the null block is never queued or cached"),
         Invariant(13, "replaying the KV cache events (when enabled) reproduces the cache map's keys"),
         Invariant(14, "an allocation only appends to a table or nulls the entries it skips"),
+        Invariant(
+            15,
+            "a request proceeds only once every load it waits for has landed, or failed and been handled; "
+            "an asynchronous load is admitted only with room left for every load in flight",
+        ),
     )
 }
 
@@ -108,6 +113,16 @@ KINDS = {
         Kind("events-unknown-removal", 13, "a removed event names a key the replayed events hold"),
         Kind("events-reannounce-unheld", 13, "a hit's block announced again names a key the replayed events hold"),
         Kind("table-rewritten", 14, "an allocation only appends to a table or nulls entries it skips"),
+        Kind(
+            "proceeds-before-load",
+            15,
+            "a request proceeds only once its loads have landed, or failed with the failure handled",
+        ),
+        Kind(
+            "load-room-short",
+            15,
+            "an asynchronous load leaves free what every other load in flight still needs to finish",
+        ),
         Kind(
             "sglang-pool-conservation",
             5,

@@ -26,6 +26,7 @@ class PendingLoad:
     slots: list
     values: list
     block_ids: list  # (group, block id) pairs the load writes
+    num_local: int = 0  # tokens its request had computed before the load
 
 
 class Connector:
@@ -105,7 +106,7 @@ class Connector:
                     if num_local <= position < num_local + num_external:
                         slots.append(block_id * bs + offset)
                         values.append(row[offset])
-        load = PendingLoad(request.request_id, slots, values, owned)
+        load = PendingLoad(request.request_id, slots, values, owned, num_local)
         if self.mode == "sync":
             self.memory.write(slots, values)
         else:

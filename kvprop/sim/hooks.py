@@ -40,6 +40,13 @@ class Hooks:
     def before_load_write(self, engine, request, block_ids) -> None:
         """An asynchronous load is about to write ``block_ids`` ((group, block id) pairs)."""
 
+    def load_resolved(self, engine, request, ok: bool, num_local: int) -> None:
+        """The scheduler has handled ``request``'s asynchronous load, which landed (``ok``) or
+        failed; ``num_local``: the tokens it had computed before the load."""
+
+    def before_execute(self, engine, report) -> None:
+        """The step's scheduling is decided (``report``); its copies and writes come next."""
+
     def before_write(self, engine, request, group: int, table, start: int, num_tokens: int) -> None:
         """``request`` is about to compute positions [start, start + num_tokens) of ``group`` into ``table``."""
 

@@ -252,6 +252,7 @@ class Scheduler(ChunkRules, LoadRoom):
             request.load_failed = True
             self._wait_again(request, EV_LOAD_FAIL)
         request.pending_external = 0
+        self.hooks.load_resolved(self, request, ok, load.num_local)
 
     # ---- scheduling -------------------------------------------------------------------------
 
@@ -305,6 +306,7 @@ class Scheduler(ChunkRules, LoadRoom):
             budget = self._admit(report, budget)
         if self.copies_blocks:
             report.copies = self.target_calls.take_kv_cache_block_copies()
+        self.hooks.before_execute(self, report)
         self._execute(report)
         self._advance(report)
         if self.capabilities.evictions and self.view.num_evictions > evictions:

@@ -143,6 +143,40 @@ class LoadsUnreserved(Engine):
         return 0
 
 
+class ProceedsBeforeLoad(Engine):
+    """A request whose asynchronous load was started in an earlier step continues as though the
+    load had landed (a poll that takes a submitted load for a finished one); the load itself
+    lands later, over blocks the request has already computed from."""
+
+    def _continue_loaded(self, report, budget):
+        for request in list(self.loading.values()):
+            if request.status is Status.LOADING:
+                request.num_computed_tokens += request.pending_external
+                request.pending_external = 0
+                request.status = Status.LOADED
+                self.loaded.append(request)
+        return super()._continue_loaded(report, budget)
+
+    def finish_load(self, request_id, ok):
+        request = self.loading.get(request_id)
+        if request is None or request.status in (Status.LOADING, Status.ABORTING):
+            return super().finish_load(request_id, ok)
+        if ok:
+            self.hooks.before_load_write(self, request, self.connector.pending[request_id].block_ids)
+        self.connector.finish_load(request_id, ok)
+        del self.loading[request_id]
+
+
+class ReservesOldestLoadOnly(Engine):
+    """An asynchronous load is admitted keeping room only for the oldest load in flight, not for
+    every one (vLLM's ``_inflight_prefill_reserved_blocks`` sums them all)."""
+
+    def reserved_for_loads(self, request):
+        others = [r for r in self.loading.values() if r is not request and r.status is not Status.ABORTING]
+        oldest = min(others, key=lambda r: self.admitted_at[r.request_id], default=None)
+        return 0 if oldest is None else self.blocks_to_finish(oldest)
+
+
 def _mixed_managers(mixin: type) -> dict:
     """Every attention type's manager with ``mixin`` in front (one bug in the shared base)."""
     return {spec: type(f"{mixin.__name__}{cls.__name__}", (mixin, cls), {}) for spec, cls in MANAGER_FOR_SPEC.items()}
@@ -397,6 +431,18 @@ VARIANTS = {
             "an asynchronous load is admitted without leaving room for the loads in flight to finish",
             caught_as="liveness",
             engine=LoadsUnreserved,
+        ),
+        Variant(
+            "proceeds-before-load",
+            "a request continues the step after its asynchronous load started, before the load lands",
+            caught_as="proceeds-before-load",
+            engine=ProceedsBeforeLoad,
+        ),
+        Variant(
+            "reserves-oldest-load-only",
+            "an asynchronous load is admitted keeping room for the oldest load in flight only",
+            caught_as="load-room-short",
+            engine=ReservesOldestLoadOnly,
         ),
         Variant(
             "capacity-overcount",
