@@ -41,6 +41,9 @@ class Capabilities:
     )
     raw_tables: bool = _capability(("raw_tables",), "view", "hands a group's live tables at once")
     key_lookup: bool = _capability(("has_cache_key",), "view", "answers whether a key is cached in O(1)")
+    null_count_fixed: bool = _capability(
+        (), "view", "never touches or frees its null block, so the null block's reference count stays 0"
+    )
 
     def declared(self) -> tuple[str, ...]:
         return tuple(f.name for f in attrs.fields(Capabilities) if getattr(self, f.name))

@@ -157,6 +157,11 @@ def evict_shared_block(eng):
     return [block.block_id]
 
 
+def count_null_block(eng):
+    pool(eng).null_block.ref_cnt -= 1  # released as if a table had held it
+    return [pool(eng).null_block.block_id]
+
+
 def cache_null_block(eng):
     pool(eng).null_block.key = table(eng, "r0", 0)[0].key
     return [pool(eng).null_block.block_id]
@@ -207,6 +212,7 @@ BLOCK_CASES = [
     ("free-queue-repeat", link_twin_of_free_block),
     ("free-count", overcount_free),
     ("null-block-free", free_null_block),
+    ("null-block-count", count_null_block),
     ("block-in-two-groups", swap_groups_in_one_table),
     ("duplicate-in-table", repeat_in_table),
     ("shared-uncached-block", evict_shared_block),

@@ -39,8 +39,8 @@ def test_kvprop_targets_lists_the_registry_with_what_each_declares():
     assert (r.returncode, listed) == (0, expected)
 
 
-def test_vllm_declares_every_capability_but_whole_tables_and_key_lookup():
-    assert set(EVERY.declared()) - set(VLLM_CAPABILITIES.declared()) == {"raw_tables", "key_lookup"}
+def test_vllm_registers_every_capability_but_whole_tables_key_lookup_and_a_fixed_null_count():
+    assert set(EVERY.declared()) - set(VLLM_CAPABILITIES.declared()) == {"raw_tables", "key_lookup", "null_count_fixed"}
 
 
 def test_a_plain_pair_declares_nothing():

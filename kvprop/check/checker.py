@@ -299,7 +299,7 @@ class Checker(Hooks):
         tables = inv.gather_tables(view)
         ref_cnts, keys = view.ref_cnts(), view.cache_keys()
         inv.check_free_queue_links(view)
-        inv.check_blocks(view, tables, ref_cnts, keys)
+        inv.check_blocks(view, tables, ref_cnts, keys, engine.capabilities.null_count_fixed)
         inv.check_conservation(view, ref_cnts)
         inv.check_tables(engine, view, tables, keys, pending or {}, admitted_now)
         return tables, keys

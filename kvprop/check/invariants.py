@@ -155,6 +155,15 @@ def null_block_not_free(block_id: int, in_queue: bool) -> None:
         raise Violation("null-block-free", "the null block is in the free queue", blocks=[block_id])
 
 
+def null_block_count(block_id: int, ref_cnt: int) -> None:
+    """2. The null block is never handed out, touched or freed, so its reference count stays 0,
+    the count it is built with. vLLM's pool keeps it so from 0.33.0 (``BlockPool.touch`` and
+    ``free_blocks`` skip it); before, both counted it and its count drifted, "not maintained",
+    so a target declares this (``Capabilities.null_count_fixed``) only where it holds."""
+    if ref_cnt != 0:
+        raise Violation("null-block-count", f"the null block has ref_cnt {ref_cnt}, not 0", blocks=[block_id])
+
+
 def free_queue_links(consistent: bool, detail: str, blocks=()) -> None:
     """2. The free queue's links agree: a walk forwards is a walk backwards reversed."""
     if not consistent:
@@ -181,8 +190,8 @@ def map_entry(block_id: int, map_key, block_key, further=()) -> None:
 # ---- the full sweep ------------------------------------------------------------------------
 
 
-def check_blocks(view, tables, ref_cnts, keys) -> None:
-    """1-4 for every block, from every table."""
+def check_blocks(view, tables, ref_cnts, keys, null_count_fixed: bool = False) -> None:
+    """1-4 for every block, from every table; with ``null_count_fixed`` the null block's count too."""
     holders: Counter[int] = Counter()
     groups_of: defaultdict[int, set[int]] = defaultdict(set)
     who: defaultdict[int, set[str]] = defaultdict(set)
@@ -208,6 +217,8 @@ def check_blocks(view, tables, ref_cnts, keys) -> None:
         block_cache_entry(block_id, keys[block_id], keys[block_id] in mapped[block_id], view.num_groups, is_null)
         if is_null:
             null_block_not_free(block_id, block_id in in_queue)
+            if null_count_fixed:
+                null_block_count(block_id, ref_cnt)
             continue
         block_ref_cnt(block_id, ref_cnt, holders.get(block_id, 0), who.get(block_id, ()), copies.get(block_id, 0))
         block_queue_membership(block_id, ref_cnt, block_id in in_queue)

@@ -72,6 +72,7 @@ KINDS = {
         Kind("free-queue-repeat", 2, "no block appears twice in the free queue"),
         Kind("free-count", 2, "the free count equals the blocks linked into the free queue"),
         Kind("null-block-free", 2, "the null block is never in the free queue"),
+        Kind("null-block-count", 2, "the null block's reference count stays 0 (where the target declares it)"),
         Kind("block-in-two-groups", 3, "a live block belongs to one group"),
         Kind("duplicate-in-table", 3, "no table holds a block twice"),
         Kind("shared-uncached-block", 3, "only cached blocks are shared between tables"),

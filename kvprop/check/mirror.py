@@ -33,6 +33,7 @@ class Mirror:
         # keys inside a block, and every live table of a group at once, where the view declares them
         self.further_keys = view.further_keys if capabilities.keys_inside_blocks else None
         self.raw_tables = view.raw_tables if capabilities.raw_tables else None
+        self.null_count_fixed = capabilities.null_count_fixed
         view.take_changes()
         self.sync(set(range(n)), check=False)
 
@@ -153,6 +154,8 @@ class Mirror:
                 inv.block_cache_entry(block_id, extra, view.map_holds(extra, block_id), num_groups, block_id == null)
             if block_id == null:
                 inv.null_block_not_free(block_id, in_queue)
+                if self.null_count_fixed:
+                    inv.null_block_count(block_id, ref_cnt)
                 continue
             held = tables_of[block_id]
             holders, queued = sum(held.values()), copies.get(block_id, 0)

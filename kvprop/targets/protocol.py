@@ -211,8 +211,9 @@ class Target:
 
 
 # vLLM's targets declare every call of the contract but a group's tables at once and an O(1)
-# key lookup, which vLLM's structures do not offer cheaply (kvprop.targets.vllm).
-VLLM_CAPABILITIES = attrs.evolve(EVERY, raw_tables=False, key_lookup=False)
+# key lookup, which vLLM's structures do not offer cheaply (kvprop.targets.vllm); a fixed
+# null-block count only where the release keeps one, declared by its factory.
+VLLM_CAPABILITIES = attrs.evolve(EVERY, raw_tables=False, key_lookup=False, null_count_fixed=False)
 
 REGISTRY = {
     t.name: t

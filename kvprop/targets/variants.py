@@ -102,6 +102,27 @@ class EvictKeepsHashPool(BlockPool):
             self.num_evictions += 1
 
 
+class NullCountedPool(BlockPool):
+    """Touching and freeing count the null block too (vLLM's pool before 0.33.0, where its count
+    was "not maintained"): hits through a window touch it, frees of tables holding it release it."""
+
+    def touch(self, blocks):
+        blocks = list(blocks)
+        super().touch(blocks)
+        for block in blocks:
+            if block.is_null:
+                block.ref_cnt += 1
+                self.changed.add(block.block_id)
+
+    def free_blocks(self, ordered):
+        ordered = list(ordered)
+        for block in ordered:
+            if block.is_null:
+                block.ref_cnt -= 1
+                self.changed.add(block.block_id)
+        super().free_blocks(ordered)
+
+
 class SwaSkipOffByOne(SlidingWindowManager):
     """Skips one block more than the window allows."""
 
@@ -407,6 +428,12 @@ VARIANTS = {
             "popping a cached block leaves it in the cache map",
             caught_as="cache-map-stale",
             parts=Parts(pool=EvictKeepsHashPool),
+        ),
+        Variant(
+            "null-counted",
+            "touching and freeing count the null block, whose count then drifts",
+            caught_as="null-block-count",
+            parts=Parts(pool=NullCountedPool),
         ),
         Variant(
             "swa-skip-off-by-one",

@@ -9,20 +9,29 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
+
 from kvprop.allocator.events import Cleared, Reannounced, Removed, Stored
 from kvprop.allocator.specs import AllocatorConfig
+from kvprop.capabilities import Capabilities
 from kvprop.targets.protocol import VLLM_CAPABILITIES, Built
 from kvprop.targets.vllm.config import accepted, build_manager, call_kwargs
 from kvprop.targets.vllm.loading import import_vllm
 from kvprop.targets.vllm.view import VllmView
 
-CAPABILITIES = VLLM_CAPABILITIES  # as registered (kvprop.targets.protocol)
+
+def capabilities() -> Capabilities:
+    """What the installed release declares: the registered ones (kvprop.targets.protocol), and
+    a fixed null-block count where the release keeps one."""
+    from kvprop.targets.vllm.releases import null_count_fixed
+
+    return attrs.evolve(VLLM_CAPABILITIES, null_count_fixed=null_count_fixed())
 
 
 def make_target(config: AllocatorConfig) -> Built:
     """The target factory: vLLM's allocator for ``config`` and the view the invariants read."""
     allocator = VllmAllocator(config)
-    return Built(allocator, VllmView(allocator), CAPABILITIES)
+    return Built(allocator, VllmView(allocator), capabilities())
 
 
 class Hits(tuple):

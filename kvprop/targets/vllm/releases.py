@@ -53,6 +53,16 @@ def as_flags(rules: dict) -> str:
 
 
 @functools.cache
+def null_count_fixed() -> bool:
+    """Whether this release keeps its null block's reference count at 0 (``Capabilities.
+    null_count_fixed``): from 0.33.0 ``BlockPool.touch`` and ``free_blocks`` skip the null
+    block; before, both counted it, a count the release calls "not maintained". The release's
+    source is read as text, once."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    return all("if block.is_null:" in inspect.getsource(f) for f in (BlockPool.touch, BlockPool.free_blocks))
+
+
 def partial_hits_refusal() -> str | None:
     """Why this release cannot run hits inside a block as kvprop models them, or None. They
     exist from 0.30.0 (``HybridKVCacheCoordinator.enable_partial_hash_hits``;

@@ -35,7 +35,7 @@ from kvprop.sim.request import Status
 from kvprop.sim.target_calls import OwnLoopCalls
 from kvprop.targets.vllm.config import build_scheduler
 from kvprop.targets.vllm.loading import import_scheduler
-from kvprop.targets.vllm.manager import CAPABILITIES, Hits, VllmAllocator
+from kvprop.targets.vllm.manager import Hits, VllmAllocator, capabilities
 from kvprop.targets.vllm.offload import OffloadWorker
 from kvprop.targets.vllm.recipe import Recipe
 from kvprop.targets.vllm.releases import scheduler_refusal
@@ -67,7 +67,9 @@ class SchedulerEngine(OwnLoopCalls, OffloadWorker, Engine):
         manager = self.scheduler.kv_cache_manager
         allocator = VllmAllocator.around(config.allocator, manager)
         allocator.caller_contract = {}  # malformed calls go to the manager, never through this scheduler
-        super().__init__(config, allocator, VllmView(allocator), device=device, hooks=hooks, capabilities=CAPABILITIES)
+        super().__init__(
+            config, allocator, VllmView(allocator), device=device, hooks=hooks, capabilities=capabilities()
+        )
         self.tells_steps = False  # schedule() tells the manager itself
         # vLLM promises to finish any request up to max_model_len, and sizes that from the tables
         # alone (check_enough_kv_cache_memory): the copies a hit inside a block takes are not
