@@ -77,6 +77,9 @@ class Shapes:
     connector: bool = True  # a KV connector ("sync" or "async")
     drafts: bool = True  # speculative drafts
     without_caching: bool = True  # prefix caching off
+    # the page layouts (kvprop.allocator.specs.PAGE_LAYOUTS) it builds: only the spec class a vLLM
+    # target declares changes with one, so the others build the plain layout alone
+    page_layouts: frozenset = frozenset({"plain"})
     # the options drawn by their own declaration (kvprop.allocator.options.Option.draw) it builds,
     # by name; None: every one. An adapter names those it maps to its engine.
     options: frozenset | None = None
@@ -97,7 +100,7 @@ class Shapes:
             elif isinstance(value, frozenset) and field.name == "options":
                 said.append(f"drawn options {', '.join(sorted(value)) or 'none'}")
             elif isinstance(value, frozenset):
-                said.append(f"group kinds {', '.join(sorted(value))}")
+                said.append(f"{field.name.replace('_', ' ')} {', '.join(sorted(value))}")
             else:
                 said.append(f"{field.name.replace('_', ' ')} {value}")
         return said

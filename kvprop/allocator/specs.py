@@ -232,6 +232,38 @@ def _check_hash_unit(instance, attribute, value):
         )
 
 
+# How the attention groups' pages are laid out, as a model's layers declare them to vLLM: each
+# layout names the group kinds it applies to (every other group keeps the plain layout). The
+# allocator's rules are the group kind's whatever the layout: only the KV cache spec class vLLM's
+# registry maps to a manager changes (kvprop.targets.vllm.config.LAYOUT_SPECS).
+PAGE_LAYOUTS = {
+    "plain": ("full", "sliding_window", "chunked_local", "mamba"),
+    "mla": ("full", "sliding_window"),  # multi-head latent attention (DeepSeek, Kimi), windows too (DeepSeek-V4)
+    "hidden_state": ("full",),  # a cache of hidden states beside the model (extract_hidden_states)
+    "quantised": ("full",),  # TurboQuant pages: vLLM quantises full-attention layers only
+}
+
+
+def page_layout_problem(layout: str, groups) -> str | None:
+    """What ``layout`` needs that ``groups`` lack, or None: a group it applies to (else it changes
+    nothing), and for "mla" no chunked-local group (no MLA model has one)."""
+    if layout not in PAGE_LAYOUTS:
+        return f"one of {list(PAGE_LAYOUTS)}, got {layout!r}"
+    kinds = [spec.kind for spec in groups]
+    if not any(kind in PAGE_LAYOUTS[layout] for kind in kinds):
+        return f"a group of kind {' or '.join(PAGE_LAYOUTS[layout])} for layout {layout!r}, got {kinds}"
+    if layout == "mla" and "chunked_local" in kinds:
+        return f"no chunked-local group with layout 'mla' (no MLA model has one), got {kinds}"
+    return None
+
+
+def _check_page_layout(instance, attribute, value):
+    if not isinstance(value, str):
+        raise ConfigError(f"AllocatorConfig.page_layout must be a string, got {value!r}")
+    if (problem := page_layout_problem(value, instance.groups)) is not None:
+        raise ConfigError(f"AllocatorConfig.page_layout needs {problem}")
+
+
 def eagle_problem(groups) -> str | None:
     """What the EAGLE drop needs that ``groups`` lack, or None where it is modelled: full
     attention and sliding windows (vLLM asserts that no chunked-local group drops; a state
@@ -323,6 +355,16 @@ class AllocatorConfig:
         types=(bool,),
         absent=False,
         simpler=(False,),  # the engine's default
+    )
+    page_layout: str = option(
+        "plain",
+        validator=_check_page_layout,
+        doc="how the attention groups' pages are laid out, as the model's layers declare them to vLLM "
+        "(PAGE_LAYOUTS): 'plain', 'mla' (multi-head latent attention), 'hidden_state' (a hidden-state cache) "
+        "or 'quantised' (TurboQuant); the allocator's rules are the group kind's, only vLLM's spec class changes",
+        types=(str,),
+        absent="plain",
+        simpler=("plain",),
     )
 
     def __attrs_post_init__(self):

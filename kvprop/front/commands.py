@@ -369,7 +369,7 @@ def cmd_targets(args) -> int:
             shapes, limits = None, [f"as the installed release builds them ({t.shapes})"]
         else:
             shapes, limits = attrs.asdict(t.shapes), t.shapes.limits()
-            shapes["group_kinds"] = sorted(shapes["group_kinds"])
+            shapes = {name: sorted(v) if isinstance(v, frozenset) else v for name, v in shapes.items()}
         rows.append(
             {
                 "name": t.name,

@@ -302,7 +302,7 @@ def render(report: Report) -> str:
         lines.append(f"specs driven: {len(driven)} of {len(r.specs)} the release registers")
         width = max(len(row["spec"]) for row in r.specs)
         lines += [
-            f"  not driven: {row['spec']:<{width}}  {row['reason'] or 'kvprop records no reason'}"
+            f"  refused: {row['spec']:<{width}}  {row['reason'] or 'kvprop records no reason'}"
             for row in r.specs
             if not row["driven"]
         ]

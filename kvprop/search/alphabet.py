@@ -16,6 +16,7 @@ import attrs
 
 from kvprop.allocator.specs import (
     OPTIONS,
+    PAGE_LAYOUTS,
     THINNED_BY_RETENTION,
     AllocatorConfig,
     ChunkedLocal,
@@ -25,6 +26,7 @@ from kvprop.allocator.specs import (
     Mamba,
     SlidingWindow,
     eagle_problem,
+    page_layout_problem,
 )
 from kvprop.capabilities import ANY_SHAPE, Shapes
 from kvprop.search.tokens import fresh_tokens
@@ -146,6 +148,15 @@ def sample_config(choose, shapes: Shapes = ANY_SHAPE) -> EngineConfig:
     for declared in OPTIONS:  # the options that declare their own draw, from the side stream
         if declared.option.draw is not None and shapes.builds(declared.name):
             config = declared.set(config, declared.option.draw(side, config))
+    # a page layout other than plain in half the shapes that can have one the target builds
+    # (drawn last, so that every value drawn before keeps its seed)
+    layouts = tuple(
+        layout
+        for layout in PAGE_LAYOUTS
+        if layout != "plain" and layout in shapes.page_layouts and page_layout_problem(layout, groups) is None
+    )
+    if layouts and side.integer(0, 1):
+        config = attrs.evolve(config, allocator=attrs.evolve(config.allocator, page_layout=side.pick(layouts)))
     return config
 
 

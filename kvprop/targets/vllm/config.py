@@ -22,16 +22,14 @@ import tempfile
 from kvprop.allocator.specs import (
     THINNED_BY_RETENTION,
     AllocatorConfig,
-    ChunkedLocal,
     EngineConfig,
-    FullAttention,
     Mamba,
-    SlidingWindow,
 )
 from kvprop.errors import ConfigError
 from kvprop.targets.vllm.loading import INSTALL_HINT, import_scheduler, import_vllm
 from kvprop.targets.vllm.recipe import Recipe
 from kvprop.targets.vllm.releases import allocator_refusal
+from kvprop.targets.vllm.spec_classes import vllm_specs
 
 _MODEL_DIRS: dict[int, str] = {}
 
@@ -53,47 +51,6 @@ def call_kwargs(what: str, params: dict, kwargs: dict, target: str = "vllm") -> 
                 f"so it cannot be asked for {name}={value!r}"
             )
     return out
-
-
-def vllm_specs(config: AllocatorConfig, v) -> list:
-    """kvprop's groups as vLLM KV cache specs, one group per kvprop group, same order.
-
-    vLLM's hybrid coordinator looks groups with equal specs up together (as real models
-    with several identical sliding-window groups are) and needs at least two distinct
-    specs; when every kvprop group is the same spec, each gets its own head size, which
-    only tells the groups apart (the allocator never reads it)."""
-    distinct = len(config.groups) > 1 and len(set(config.groups)) == 1
-    specs = []
-    for g, spec in enumerate(config.groups):
-        common = dict(
-            block_size=spec.block_size, num_kv_heads=1, head_size=1 + g if distinct else 1, dtype=v.torch.float32
-        )
-        if isinstance(spec, FullAttention):
-            specs.append(v.kvi.FullAttentionSpec(**common))
-        elif isinstance(spec, SlidingWindow):
-            specs.append(v.kvi.SlidingWindowSpec(**common, sliding_window=spec.window))
-        elif isinstance(spec, ChunkedLocal):
-            specs.append(v.kvi.ChunkedLocalAttentionSpec(**common, attention_chunk_size=spec.chunk))
-        elif isinstance(spec, Mamba):
-            # one state tensor of 1 + g floats (its size only tells groups apart; the allocator
-            # never reads it); mamba_cache_mode is the spec's mode, as vLLM's model config sets it
-            checkpoints = {}
-            if spec.checkpoint is not None:  # (allocator_refusal has refused releases with other rules)
-                # what mamba_mixer2, GDN and KDA layers declare (0.33.0)
-                checkpoints = dict(num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=spec.checkpoint)
-            specs.append(
-                v.kvi.MambaSpec(
-                    block_size=spec.block_size,
-                    shapes=((1 + g,),),
-                    dtypes=(v.torch.float32,),
-                    mamba_cache_mode=spec.mode,
-                    num_speculative_blocks=spec.speculative_blocks,
-                    **checkpoints,
-                )
-            )
-        else:
-            raise ConfigError(f"target 'vllm': no vLLM KV cache spec for group {g}: {spec!r}")
-    return specs
 
 
 RETENTION_ENV = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
@@ -360,6 +317,11 @@ def build_scheduler(config: EngineConfig, recipe: Recipe | None = None):
     max_len = bs * ((alloc.usable_blocks - scratch) // len(alloc.groups))
     if max_len < 1:
         raise ConfigError(f"target 'vllm-scheduler': {alloc.usable_blocks} usable blocks hold no request of {alloc}")
+    if alloc.page_layout != "plain":  # (scheduler_shapes)
+        raise ConfigError(
+            f"target 'vllm-scheduler': page_layout must be 'plain': the scheduler's model is a tiny Llama, whose "
+            f"layers declare plain attention specs, got {alloc.page_layout!r}"
+        )
     retention = _retention_setting(alloc, v)
     try:
         model, cache, scheduler_config = _core_configs(config, vc, max_len, recipe)

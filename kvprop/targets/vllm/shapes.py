@@ -19,17 +19,19 @@ from kvprop.targets.vllm.releases import (
     partial_hits_refusal,
     takes_connector_with_state_groups,
 )
+from kvprop.targets.vllm.spec_classes import release_layouts
 
 
 def release_shapes() -> Shapes:
     """The shapes this vLLM release builds as kvprop models them (``allocator_refusal`` says
     why each other one is refused): the sampler draws only these."""
-    import_vllm()  # without vLLM, the ConfigError that says how to get it
+    v = import_vllm()  # without vLLM, the ConfigError that says how to get it
     return Shapes(
         hits_inside_blocks=partial_hits_refusal() is None,
         checkpoints=checkpoint_refusal() is None,
         full_report=has_full_report(),
         options=MAPPED_OPTIONS,
+        page_layouts=release_layouts(v),
     )
 
 
@@ -41,7 +43,9 @@ MAPPED_OPTIONS = frozenset({"max_num_seqs"})
 def scheduler_shapes() -> Shapes:
     """The shapes kvprop drives through this release's scheduler (``scheduler_refusal`` says why each
     other one is refused): the manager's, less lookahead slots and the EAGLE drop, with a token
-    budget for the drafts, and a state group beside a connector where the release takes one."""
+    budget for the drafts, and a state group beside a connector where the release takes one. Its
+    pages are plain: the scheduler's model configuration is a tiny Llama, whose layers declare
+    plain attention specs, so an MLA or quantised group would be a model vLLM never starts."""
     import_scheduler()  # without vLLM, the ConfigError that says how to get it
     return attrs.evolve(
         release_shapes(),
@@ -50,6 +54,7 @@ def scheduler_shapes() -> Shapes:
         drafts_within_budget=True,
         state_with_connector=takes_connector_with_state_groups(),
         local_with_connector=_builds(_LOCAL_WITH_CONNECTOR),
+        page_layouts=frozenset({"plain"}),
     )
 
 
