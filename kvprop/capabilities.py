@@ -41,6 +41,9 @@ class Capabilities:
     )
     raw_tables: bool = _capability(("raw_tables",), "view", "hands a group's live tables at once")
     key_lookup: bool = _capability(("has_cache_key",), "view", "answers whether a key is cached in O(1)")
+    request_records: bool = _capability(
+        ("records_of",), "view", "names the per-request records its group managers still keep for a request"
+    )
     null_count_fixed: bool = _capability(
         (), "view", "never touches or frees its null block, so the null block's reference count stays 0"
     )

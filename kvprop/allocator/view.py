@@ -9,6 +9,22 @@ from __future__ import annotations
 from kvprop.allocator.kv_cache_manager import KVCacheManager
 
 
+def records_holding(owners, request_id: str) -> list[str]:
+    """``Owner.attribute`` of every dict or set among ``owners``' attributes that still records
+    ``request_id``: what a free must drop. Read generically, so that a record a manager adds
+    later (a state group's retired count, its checkpoints) is judged without naming it. An
+    entry that is an empty list records nothing (vLLM's ``req_to_blocks`` is a defaultdict that
+    gains one when a waiting request's refused allocation skips blocks)."""
+    found = []
+    for owner in owners:
+        for name, value in vars(owner).items():
+            if isinstance(value, (set, frozenset)) and request_id in value:
+                found.append(f"{type(owner).__name__}.{name}")
+            elif isinstance(value, dict) and value.get(request_id, []) != []:
+                found.append(f"{type(owner).__name__}.{name}")
+    return found
+
+
 class AllocatorView:
     """The view of kvprop's own ``KVCacheManager``."""
 
@@ -89,6 +105,10 @@ class AllocatorView:
 
     def num_cached_blocks(self, group: int, request_id: str):
         return self.managers[group].num_cached_block.get(request_id)
+
+    def records_of(self, request_id: str) -> list[str]:
+        """The per-request records any group's manager still keeps for ``request_id``."""
+        return records_holding(self.managers, request_id)
 
     @property
     def num_evictions(self) -> int:

@@ -64,8 +64,9 @@ def misuse_outcome(view, call: str, request, before, raised, contract: str) -> N
 
 
 def freed_request_gone(engine, view, request) -> None:
-    """12. Once a request is freed (finish, abort, preemption, failed load) no group keeps a table
-    or a cached-block count for it, and no load is pending for it."""
+    """12. Once a request is freed (finish, abort, preemption, failed load) no group keeps a table,
+    a cached-block count or any other per-request record for it (vLLM's ``pop_blocks_for_free``
+    drops them all), and no load is pending for it."""
     rid = request.request_id
     for g in range(view.num_groups):
         table, count = view.request_block_ids(g, rid), view.num_cached_blocks(g, rid)
@@ -80,6 +81,9 @@ def freed_request_gone(engine, view, request) -> None:
             )
     if engine.connector is not None and rid in engine.connector.pending:
         raise Violation("freed-request-remains", f"freed {rid!r} still has a load pending", requests=[rid])
+    records = view.records_of(rid)
+    if records:
+        raise Violation("freed-request-remains", f"freed {rid!r} is still recorded in {records}", requests=[rid])
 
 
 # ---- 6 and 7 at the moments blocks change hands ---------------------------------------------

@@ -172,8 +172,11 @@ class CompletedView:
     def num_evictions(self) -> int:
         return self._view.num_evictions if self._declared.evictions else 0
 
+    def records_of(self, request_id: str) -> list:
+        return self._view.records_of(request_id) if self._declared.request_records else []
 
-REPORTS = ("keys_inside_blocks", "pending_copies", "evictions")  # what CompletedView completes
+
+REPORTS = ("keys_inside_blocks", "pending_copies", "evictions", "request_records")  # what CompletedView completes
 
 
 def complete_view(view: Any, declared: Capabilities) -> Any:

@@ -123,6 +123,14 @@ class NullCountedPool(BlockPool):
         super().free_blocks(ordered)
 
 
+class StateRecordsKeptManager(MambaManager):
+    """A state group's free drops the table but keeps the request's retired count and previous
+    running state, which a preempted request then resumes from."""
+
+    def free(self, request_id):
+        SingleTypeManager.free(self, request_id)
+
+
 class SwaSkipOffByOne(SlidingWindowManager):
     """Skips one block more than the window allows."""
 
@@ -434,6 +442,12 @@ VARIANTS = {
             "touching and freeing count the null block, whose count then drifts",
             caught_as="null-block-count",
             parts=Parts(pool=NullCountedPool),
+        ),
+        Variant(
+            "state-records-kept",
+            "a state group's free keeps the request's retired count and previous running state",
+            caught_as="freed-request-remains",
+            parts=_with_manager(Mamba, StateRecordsKeptManager),
         ),
         Variant(
             "swa-skip-off-by-one",

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any, Protocol
 
 from kvprop.allocator.specs import AllocatorConfig
+from kvprop.allocator.view import records_holding
 
 
 class ManagerAdapter(Protocol):
@@ -208,6 +209,11 @@ class VllmView:
     def request_block_ids(self, group: int, request_id: str):
         blocks = self.managers[group].req_to_blocks.get(request_id)
         return [b.block_id for b in blocks] if blocks else None
+
+    def records_of(self, request_id: str) -> list[str]:
+        """The per-request records any group's manager still keeps for ``request_id``: vLLM's
+        ``pop_blocks_for_free`` drops every one (0.34.0 single_type_kv_cache_manager.py)."""
+        return records_holding(self.managers, request_id)
 
     def num_cached_blocks(self, group: int, request_id: str):
         """vLLM records a count only once a request had hits or external tokens, or cached a
