@@ -197,7 +197,8 @@ def test_incremental_checks_find_what_full_sweeps_find(monkeypatch, watched):
         return [(r.steps_run, r.failure and (r.failure.kind, r.failure.step)) for r in results]
 
     incremental = outcomes()
-    monkeypatch.setattr(manager, "CAPABILITIES", attrs.evolve(manager.CAPABILITIES, change_log=False))  # full sweeps
+    declared = manager.capabilities()
+    monkeypatch.setattr(manager, "capabilities", lambda: attrs.evolve(declared, change_log=False))  # full sweeps
     assert outcomes() == incremental
 
 
