@@ -217,7 +217,7 @@ class Checker(Hooks):
     def at_handoff(self, engine, request, tables, num_local: int, num_external: int) -> None:
         if self.enabled:
             moments.handoff_exclusive(engine.view, request, tables, num_local, num_external)
-            if engine.connector.mode == "async":
+            if engine.connector is not None and engine.connector.mode == "async":  # kvprop's own connector
                 admission.load_room(engine, request)
 
     def load_resolved(self, engine, request, ok: bool, num_local: int) -> None:

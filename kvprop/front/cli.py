@@ -197,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="walk driver: finds whose signature (kind[:exception]@operation) this JSON file lists are saved and "
         "counted, and the search goes on; a new bug of a triaged kind still ends it (e.g. findings/triaged.json)",
     )
+    f.add_argument(
+        "--no-guards", action="store_true", help="run kvprop's allocator without its own guards (kvprop target only)"
+    )
     target_args(f)
 
     r = command("replay", c.cmd_replay, "re-execute a trace step by step (exit 1 reproduces, 0 passes, 2 bad file)")
@@ -240,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default=None, help="cpu | cuda | cuda:N")
     b.add_argument("--json", action="store_true", help="print the table as JSON")
     b.add_argument("--no-guards", action="store_true", help="run kvprop's allocator without its own guards")
+    b.add_argument("--only", default=None, metavar="NAME[,NAME]", help="only these variants (see `kvprop variants`)")
 
     command("variants", c.cmd_variants, "list the bug variants of kvprop's allocator ('correct' has none)")
 

@@ -179,7 +179,7 @@ def cmd_replay(args) -> int:
     trace, variant, target = _load(args, "replay")
     print(
         f"replaying {args.file} ({len(trace.steps)} operations) on variant {variant or 'correct'}, "
-        f"target {target or 'kvprop'}"
+        f"target {target or 'kvprop'}{'' if trace.guards else ', without the allocator' + chr(39) + 's own guards'}"
     )
     with supervisor_for(args, variant, target) as supervisor:
         failure = print_steps(trace, supervisor, log_to=Path(args.file).with_suffix(".replay.log"))

@@ -33,6 +33,7 @@ def cmd_fuzz(args) -> int:
         args.seed = time.time_ns() % 1_000_000_007
     check_device(args.device)
     check_allocator(args.variant, args.target)
+    _without_guards(args.no_guards, args.target)
     triaged = read_triaged(Path(args.triaged)) if args.triaged else frozenset()
     if (args.known or triaged) and args.driver != "walk":
         raise ConfigError(
@@ -64,10 +65,11 @@ def cmd_fuzz(args) -> int:
     )
     label = f"variant {args.variant}" if args.variant else f"target {args.target or 'kvprop'}"
     workers = f"{args.workers} worker{'s' if args.workers != 1 else ''}"
+    unguarded = ", without the allocator's own guards" if args.no_guards else ""
     say(
         args,
         f"kvprop {__version__} fuzz: driver {args.driver}, {label}, {workers}, "
-        f"{args.seconds:g}s budget, seed {args.seed}",
+        f"{args.seconds:g}s budget, seed {args.seed}{unguarded}",
     )
     saved = {}
 
@@ -99,6 +101,22 @@ def cmd_fuzz(args) -> int:
     return _report_find(args, result, out, summary)
 
 
+def _without_guards(no_guards: bool, target: str | None) -> None:
+    """With ``--no-guards``, kvprop's allocator runs without its own guards in this process and
+    in every worker forked from it, and every trace the search makes records it
+    (``Trace.guards``). Only kvprop's own allocator has them: another target is refused."""
+    if not no_guards:
+        return
+    if target not in (None, "kvprop"):
+        raise ConfigError(
+            f"--no-guards runs kvprop's own allocator without its guards; --target {target!r} has none "
+            f"of them (use it with --target kvprop)"
+        )
+    from kvprop.allocator import guards
+
+    guards.ENABLED = False
+
+
 def _summary(args, result) -> dict:
     from kvprop.search.fuzz import FuzzResult
     from kvprop.targets.protocol import reachable_events
@@ -115,6 +133,7 @@ def _summary(args, result) -> dict:
         "driver": args.driver,
         "target": args.target or "kvprop",
         "variant": args.variant,
+        "guards": not args.no_guards,
         "known_finds": result.known,
         "find": None,
     }
@@ -242,6 +261,17 @@ def _canary(args) -> bool:
     return True
 
 
+def _chosen(only: str | None, variants) -> list[str]:
+    """The variants ``--only`` names (comma-separated), in the registry's order; every one without it."""
+    if only is None:
+        return list(variants)
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in variants]
+    if unknown or not names:
+        raise ConfigError(f"--only: unknown variants {unknown or [only]}; the variants are {list(variants)}")
+    return [n for n in variants if n in names]
+
+
 def cmd_bugs(args) -> int:
     from kvprop.repro.minimise import minimise
     from kvprop.search import fuzz
@@ -249,10 +279,7 @@ def cmd_bugs(args) -> int:
     from kvprop.targets.variants import VARIANTS
 
     check_device(args.device)
-    if args.no_guards:
-        from kvprop.allocator import guards
-
-        guards.ENABLED = False  # the workers fork from here and inherit it
+    _without_guards(args.no_guards, None)
     if not args.json:
         guarded = "without the allocator's own guards" if args.no_guards else "guards on"
         print(
@@ -262,7 +289,7 @@ def cmd_bugs(args) -> int:
             flush=True,
         )
     rows = []
-    for name in VARIANTS:
+    for name in _chosen(args.only, VARIANTS):
         interrupt.check()
         opts = fuzz.FuzzOptions(
             seconds=args.seconds_per_bug,

@@ -7,6 +7,7 @@ validating a trace loads neither torch nor the engine.
 
 from __future__ import annotations
 
+from kvprop.allocator import guards
 from kvprop.errors import TargetCrash, Violation
 from kvprop.search.harness import Harness
 from kvprop.search.trace import Failure, Trace, failure_from
@@ -28,24 +29,26 @@ def execute(
 
     ``events``, when given, collects the names of the engine events the replay reached;
     ``full_sweeps`` makes every check a full sweep instead of an incremental one; ``journal``
-    (in a supervised worker) records the run as it goes."""
+    (in a supervised worker) records the run as it goes. kvprop's allocator runs with the
+    guards the trace ran with."""
     if journal is not None:
         journal.begin(trace)
-    harness = Harness(
-        trace.config,
-        variant=variant,
-        target=target,
-        device=device,
-        checks=checks,
-        canary=canary,
-        full_sweeps=full_sweeps,
-        journal=journal,
-    )
-    try:
-        return run(harness, trace.steps, trace.drain, on_step)
-    finally:
-        if events is not None:
-            events.update(harness.engine.events)
+    with guards.held(trace.guards):
+        harness = Harness(
+            trace.config,
+            variant=variant,
+            target=target,
+            device=device,
+            checks=checks,
+            canary=canary,
+            full_sweeps=full_sweeps,
+            journal=journal,
+        )
+        try:
+            return run(harness, trace.steps, trace.drain, on_step)
+        finally:
+            if events is not None:
+                events.update(harness.engine.events)
 
 
 def run(harness, operations, drain: bool, on_step=None) -> Failure | None:

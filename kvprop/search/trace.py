@@ -12,6 +12,7 @@ from pathlib import Path
 import attrs
 
 from kvprop import __version__
+from kvprop.allocator import guards as guards_module
 from kvprop.allocator.options import REQUIRED
 from kvprop.allocator.specs import (
     OPTIONS,
@@ -84,6 +85,9 @@ class Trace:
     seed: int | None = None
     driver: str = "walk"  # the search driver that found it: one of DRIVERS
     failure: Failure | None = None
+    # whether kvprop's allocator ran with its own guards (kvprop.allocator.guards): by default
+    # the process's setting, so that a search without them records it in every trace it makes
+    guards: bool = attrs.field(factory=lambda: guards_module.ENABLED)
 
     def with_steps(self, steps) -> Trace:
         return attrs.evolve(self, steps=tuple(steps))
@@ -200,13 +204,14 @@ def to_dict(trace: Trace) -> dict:
         "config": config_to_dict(trace.config),
         "steps": [op_to_dict(op) for op in trace.steps],
         "drain": trace.drain,
+        **({} if trace.guards else {"guards": False}),  # spelt only when off: a guarded trace reads as ever
         "failure": attrs.asdict(trace.failure) if trace.failure else None,
     }
 
 
 TRACE_FIELDS = (
     "format", "kvprop_version", "driver", "engine", "seed", "variant", "target", "config", "steps", "drain",
-    "failure",
+    "guards", "failure",
 )  # fmt: skip
 FAILURE_FIELDS = ("step", "kind", "message", "origin", "exception")
 
@@ -273,6 +278,7 @@ def from_dict(d) -> Trace:
         variant=_typed(d.get("variant"), "variant", (str, type(None))),
         target=_typed(d.get("target"), "target", (str, type(None))),
         drain=_typed(d.get("drain", True), "drain", bool),
+        guards=_typed(d.get("guards", True), "guards", bool),  # traces written before the field ran guarded
         seed=seed,
         driver=_driver(d),
         failure=_failure(d.get("failure"), len(steps)),
