@@ -442,6 +442,32 @@ def second_load_without_room():
     return eng.step
 
 
+def saving_engine():
+    """r0 prefilled 6 tokens under a checker with connector "async": its full first block is
+    cached and a save of it is in flight; its next step decodes position 6 into its second block."""
+    eng = engine([FullAttention(4)], 8, hooks=Checker(), connector="async")
+    eng.add_request(SHARED[:6], 4)
+    eng.step()
+    assert len(eng.connector.saves) == 1
+    return eng
+
+
+def save_reads_written_block():
+    eng = saving_engine()
+    job = next(iter(eng.connector.saves.values()))
+    second = eng.allocator.get_block_ids("r0")[0][1]
+    job.entries.append((job.entries[0][0] + 1, 0, second))  # the save also reads the block r0 decodes into
+    return eng.step
+
+
+def unheld_block_offered():
+    eng = engine([FullAttention(4)], 8, hooks=Checker(), connector="async")
+    eng.connector.publish_prefix(SHARED + [3])
+    request = eng.add_request(SHARED + [3], 4)
+    eng.connector.tier[request.block_hashes[1]][0] = (-1,) * 4  # a key kept whose data never arrived
+    return eng.step
+
+
 ENGINE_CASES = [
     ("table-too-short", allocation_without_blocks),
     ("write-to-null-block", null_block_at_write),
@@ -451,6 +477,8 @@ ENGINE_CASES = [
     ("liveness", request_lost_by_scheduler),
     ("proceeds-before-load", continued_on_load_in_flight),
     ("load-room-short", second_load_without_room),
+    ("write-during-save", save_reads_written_block),
+    ("tier-offers-unsaved", unheld_block_offered),
 ]
 
 
@@ -478,6 +506,10 @@ def test_engine_scenarios_without_corruption_run_clean():
     eng = two_loads()
     assert eng.step().admitted == ["r0"]  # r1's load waits for the room r0's still needs
     drain(eng, eng.hooks)
+    eng = saving_engine()
+    eng.step()  # the decode the save case corrupts
+    drain(eng, eng.hooks)
+    assert eng.connector.saves == {}
 
 
 # ---- refusals (invariant 8): the snapshot check and the incremental changed-block check ----

@@ -146,8 +146,12 @@ CENSUS: dict[str, dict[str, Judgement]] = {
     },
     # ---- kvprop.sim --------------------------------------------------------------------------------
     "Connector": {
-        "tier": Judged(("data-mismatch", "connector-write-unowned")),
+        "tier": Judged(("data-mismatch", "connector-write-unowned", "tier-offers-unsaved")),
         "pending": Judged(("freed-request-remains", "connector-write-unowned", "proceeds-before-load")),
+        "saves": Judged(("write-during-save", "tier-offers-unsaved")),
+        "saving": Derived("the keys of the saves in flight, from saves: what an offload skips as being saved"),
+        "unread": Derived("the blocks the unflushed saves read, from saves: a wrong one shows as write-during-save"),
+        "num_saves": Derived("a counter giving each save its job id; the operations pick saves by their order"),
         "mode": CONFIG,
         "memory": PART,
         "block_size": CONFIG,

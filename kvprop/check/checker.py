@@ -11,7 +11,7 @@ every run; otherwise every check is a full sweep.
 from __future__ import annotations
 
 from kvprop.allocator.specs import FullAttention
-from kvprop.check import admission, data, decisions, moments, outcomes, sglang, sglang_data
+from kvprop.check import admission, data, decisions, moments, outcomes, saves, sglang, sglang_data
 from kvprop.check import invariants as inv
 from kvprop.check.events import EventLedger
 from kvprop.check.mirror import Mirror
@@ -219,6 +219,14 @@ class Checker(Hooks):
             moments.handoff_exclusive(engine.view, request, tables, num_local, num_external)
             if engine.connector is not None and engine.connector.mode == "async":  # kvprop's own connector
                 admission.load_room(engine, request)
+            elif engine.connector is not None:  # kvprop's sync load writes the blocks now
+                written = [tables[g][i] for i, g in saves.offered_blocks(engine, num_local, num_external)]
+                null = engine.view.null_block_id
+                saves.write_during_save(engine, [b for b in written if b != null], "a sync load", request.request_id)
+
+    def after_offer(self, engine, request, num_local: int, num_external: int) -> None:
+        if self.enabled:
+            saves.offer_held(engine, request, num_local, num_external, self.expected_rows)
 
     def load_resolved(self, engine, request, ok: bool, num_local: int) -> None:
         if not ok and engine.view.request_block_ids(0, request.request_id) is not None:
@@ -229,9 +237,11 @@ class Checker(Hooks):
     def before_execute(self, engine, report) -> None:
         if self.enabled:
             admission.scheduled_after_loads(engine, report.scheduled, self.failed_loads)
+            saves.write_during_save(engine, [dest for _, dest in report.copies], "a block copy")
 
     def before_load_write(self, engine, request, block_ids) -> None:
         if self.enabled:
+            saves.write_during_save(engine, [b for _, b in block_ids], "a load", request.request_id)
             moments.load_write_owned(
                 engine.view, request, engine.target_calls.get_block_ids(request.request_id), block_ids
             )
@@ -239,10 +249,14 @@ class Checker(Hooks):
     def before_state_write(self, engine, request, group: int, source, start: int, targets) -> None:
         if self.enabled:
             moments.state_write(engine, engine.view, request, group, source, start, targets)
+            saves.write_during_save(engine, [t[0] for t in targets], "a state write", request.request_id)
 
     def before_write(self, engine, request, group: int, table, start: int, num_tokens: int) -> None:
         if self.enabled:
             moments.write_targets(engine.view, request, group, table, start, num_tokens)
+            bs = engine.block_size
+            written = table[start // bs : -(-(start + num_tokens) // bs)]
+            saves.write_during_save(engine, written, "a forward pass", request.request_id)
 
     def before_read(self, engine, request_id: str, layer: str, positions, slots, expected) -> None:
         if self.enabled and slots:
@@ -389,10 +403,12 @@ def drain(engine, checker: Checker, max_steps: int | None = None, on_step=None) 
         max_steps = 50 + 4 * work * max(1, len(engine.requests))
     steps = repeats = 0
     last = None
-    while engine.requests:
+    while engine.requests or (engine.connector is not None and engine.connector.saves):
         for rid in list(engine.loading):
             engine.finish_load(rid, ok=True)
             checker.check_all(engine)
+        for job_id in list(engine.connector.saves if engine.connector is not None else ()):
+            engine.finish_save(job_id, ok=True)
         if not engine.requests:
             break
         if steps >= max_steps or repeats >= STALLED_STEPS:

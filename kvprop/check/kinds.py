@@ -51,6 +51,11 @@ INVARIANTS = {
             "a request proceeds only once every load it waits for has landed, or failed and been handled; "
             "an asynchronous load is admitted only with room left for every load in flight",
         ),
+        Invariant(
+            16,
+            "no block is written while a save to the external tier still reads it; the tier offers only what "
+            "a completed save delivered",
+        ),
     )
 }
 
@@ -123,6 +128,16 @@ KINDS = {
             "load-room-short",
             15,
             "an asynchronous load leaves free what every other load in flight still needs to finish",
+        ),
+        Kind(
+            "write-during-save",
+            16,
+            "a block is computed, copied or loaded into only once every save reading it has read it",
+        ),
+        Kind(
+            "tier-offers-unsaved",
+            16,
+            "every block the tier offers holds its fingerprints: a save that completed delivered it",
         ),
         Kind(
             "sglang-pool-conservation",

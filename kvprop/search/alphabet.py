@@ -306,6 +306,29 @@ class FinishLoad:
 
 
 @attrs.frozen
+class FinishSave:
+    """An asynchronous save to the external tier completes (ok) or fails. It runs as often as
+    ``FinishLoad``: both are the connector's transfers finishing, and one weight for the two
+    leaves every other draw of a walk seed where it was."""
+
+    index: int
+    ok: int
+    ARGS: ClassVar[ArgRanges] = {"index": (0, 7), "ok": (0, 1)}
+
+    @staticmethod
+    def ready(h: Harness) -> bool:
+        return h.engine.connector is not None and bool(h.engine.connector.saves)
+
+    def apply(self, h: Harness) -> str:
+        saves = sorted(h.engine.connector.saves) if h.engine.connector is not None else []
+        if not saves:
+            return "no save in flight"
+        job_id = saves[self.index % len(saves)]
+        h.engine.finish_save(job_id, bool(self.ok))
+        return f"save {job_id} {'completed' if self.ok else 'failed'}"
+
+
+@attrs.frozen
 class Misuse:
     """A buggy caller: one malformed call (``Engine.misuse``: a negative or too-large external
     count, zero new tokens, a second free, a free of a waiting request, caching past the end,
@@ -417,8 +440,12 @@ OPERATIONS: tuple[type[Operation], ...] = (
     Finish,
     ResetPrefixCache,
     Misuse,
+    FinishSave,
 )
 OPERATION_BY_NAME = {op.__name__: op for op in OPERATIONS}
+# operations that run as often as another and take no draw of their own (an operation added
+# this way leaves every other draw of a walk seed where it was)
+WEIGHT_OF: dict[type[Operation], type[Operation]] = {FinishSave: FinishLoad}
 
 # ---- swarm weights ----------------------------------------------------------------------
 
@@ -442,7 +469,7 @@ def sample_weights(choose) -> tuple[int, ...]:
     entry of ``OPERATIONS``; a 0 switches the operation off there, so what needs many of one
     kind (pool pressure, loads in flight) gets runs that do little else. Both drivers draw
     their weights here."""
-    weights = [choose.pick(getattr(op, "WEIGHTS", WEIGHT_CHOICES)) for op in OPERATIONS]
+    weights = {op: choose.pick(getattr(op, "WEIGHTS", WEIGHT_CHOICES)) for op in OPERATIONS if op not in WEIGHT_OF}
     for driving in (Step, AddRequest):
-        weights[OPERATIONS.index(driving)] = choose.pick(DRIVING_WEIGHTS)
-    return tuple(weights)
+        weights[driving] = choose.pick(DRIVING_WEIGHTS)
+    return tuple(weights[WEIGHT_OF.get(op, op)] for op in OPERATIONS)

@@ -5,6 +5,17 @@ cached, and by a remote prefill node publishing a whole prefix. It offers tokens
 the local hit, and loads them into the fresh blocks the allocator hands it — at once, or
 asynchronously, where the load later completes or fails.
 
+Saves follow vLLM 0.34.0's offloading connector (``distributed/kv_transfer/kv_connector/v1/
+offloading/scheduler.py`` and ``worker.py``). With connector "sync" a block's contents go to the
+tier at once. With "async" each offload is a save job in flight: it reads its source blocks
+when it completes, or earlier when flushed, and the tier offers its keys only once it completed
+successfully (``complete_store(success=True)``); a failed save leaves no key. The blocks are
+not held for it (``request_finished`` returns ``(False, None)``): a block handed out again, or
+one its request gave back on preemption, has its saves flushed first (``jobs_to_flush``, which
+the worker waits for before the forward pass, ``handle_preemptions``), so the save reads the
+contents it was made for. A key already held or being saved is not saved again
+(``prepare_store`` skips the keys its manager holds).
+
 A state group's row is the state after its block's last token (slot 0 of the block). A hit
 through the tier then ends on a block boundary whose state the tier holds, and a load writes
 one block of the group, the one at the hit's end (vLLM's offloading connector: the total is
@@ -13,6 +24,8 @@ rounded down to the Mamba block size, ``_sliding_window_lookup(keys, 1)`` for th
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import attrs
 
@@ -29,6 +42,16 @@ class PendingLoad:
     num_local: int = 0  # tokens its request had computed before the load
 
 
+@attrs.define
+class PendingSave:
+    """A save in flight: the (block hash, group, block id) entries it copies out, and the rows it
+    read once flushed (None: it still reads its source blocks)."""
+
+    job_id: int
+    entries: list
+    rows: list | None = None
+
+
 class Connector:
     def __init__(self, mode: str, memory: PagedMemory, block_size: int, num_groups: int, state_groups=frozenset()):
         if mode not in ("sync", "async"):
@@ -41,14 +64,64 @@ class Connector:
         self.attention_groups = [g for g in range(num_groups) if g not in self.state_groups]
         self.tier: dict[int, dict[int, tuple]] = {}
         self.pending: dict[str, PendingLoad] = {}
+        self.saves: dict[int, PendingSave] = {}  # job id -> a save in flight (connector "async")
+        self.saving: set[tuple[int, int]] = set()  # (block hash, group) of every save in flight
+        self.unread: Counter = Counter()  # block id -> saves in flight that still read it
+        self.num_saves = 0  # saves made so far: the next one's job id
 
     def offload(self, entries: list[tuple[int, int, int]]) -> None:
-        """Copy computed, cached blocks out: entries are (block hash, group, block id)."""
+        """Copy computed, cached blocks out: entries are (block hash, group, block id). With
+        connector "async", a save job of the entries whose key is neither held nor being saved."""
         if not entries:
             return
-        rows = self.memory.rows([e[2] for e in entries])
-        for (block_hash, group, _), row in zip(entries, rows):
-            self.tier.setdefault(block_hash, {})[group] = tuple(row)
+        if self.mode == "sync":
+            rows = self.memory.rows([e[2] for e in entries])
+            for (block_hash, group, _), row in zip(entries, rows):
+                self.tier.setdefault(block_hash, {})[group] = tuple(row)
+            return
+        fresh: dict[tuple[int, int], tuple[int, int, int]] = {}
+        for entry in entries:
+            key = (entry[0], entry[1])
+            if key not in self.saving and entry[1] not in self.tier.get(entry[0], {}):
+                fresh.setdefault(key, entry)
+        if not fresh:
+            return
+        job = PendingSave(self.num_saves, list(fresh.values()))
+        self.num_saves += 1
+        self.saves[job.job_id] = job
+        self.saving |= fresh.keys()
+        self.unread.update(entry[2] for entry in job.entries)
+
+    def flush(self, block_ids) -> None:
+        """Every save in flight that still reads one of ``block_ids`` reads all its blocks now:
+        they are about to change hands, and still hold what the save was made for."""
+        blocks = {b for b in block_ids if self.unread[b]}
+        if blocks:
+            for job in self.saves.values():
+                if job.rows is None and any(entry[2] in blocks for entry in job.entries):
+                    self._read(job)
+
+    def _read(self, job: PendingSave) -> None:
+        job.rows = [tuple(row) for row in self.memory.rows([entry[2] for entry in job.entries])]
+        self.unread.subtract(entry[2] for entry in job.entries)
+        self.unread += Counter()  # drops the blocks no save reads any more
+
+    def finish_save(self, job_id: int, ok: bool) -> PendingSave:
+        """A save completes (``ok``: its rows reached the tier) or fails (nothing reached it)."""
+        job = self.saves.pop(job_id)
+        if job.rows is None:
+            self._read(job)
+        self.saving -= {(entry[0], entry[1]) for entry in job.entries}
+        self.complete_store(job, ok)
+        return job
+
+    def complete_store(self, job: PendingSave, ok: bool) -> None:
+        """The tier's record of a finished save (vLLM's ``complete_store``): a landed save's keys
+        are offered from now on; a failed save's destination holds nothing, and its keys are dropped."""
+        if ok:
+            assert job.rows is not None  # a finished save has read its blocks
+            for (block_hash, group, _), row in zip(job.entries, job.rows):
+                self.tier.setdefault(block_hash, {})[group] = row
 
     def publish_prefix(self, tokens: list[int]) -> int:
         """A remote prefill node computed ``tokens``: make their full blocks loadable. Returns blocks added."""

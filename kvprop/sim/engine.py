@@ -33,6 +33,7 @@ class Engine(Scheduler, Worker, BuggyCaller):
     """A simulated server over one allocator: its scheduler, its worker and its buggy caller."""
 
     terms = "blocks"  # judged by kvprop's block invariants; an engine with its own terms names them
+    connector_class = Connector  # the external tier's (a variant plants a bug in it)
 
     def __init__(
         self,
@@ -56,6 +57,8 @@ class Engine(Scheduler, Worker, BuggyCaller):
         self.connector = (
             None
             if config.connector == "off"
-            else Connector(config.connector, self.memory, self.block_size, len(self.specs), self.state_groups)
+            else self.connector_class(
+                config.connector, self.memory, self.block_size, len(self.specs), self.state_groups
+            )
         )
         self._init_scheduler()

@@ -37,6 +37,10 @@ class Hooks:
     def at_handoff(self, engine, request, tables, num_local: int, num_external: int) -> None:
         """The blocks allocated for external tokens are about to be handed to the connector."""
 
+    def after_offer(self, engine, request, num_local: int, num_external: int) -> None:
+        """The connector's tier offered ``num_external`` tokens of ``request`` beyond its local hit
+        of ``num_local``."""
+
     def before_load_write(self, engine, request, block_ids) -> None:
         """An asynchronous load is about to write ``block_ids`` ((group, block id) pairs)."""
 

@@ -196,6 +196,9 @@ class Scheduler(ChunkRules, LoadRoom):
         self._preempt(request)
 
     def _preempt(self, request: Request) -> None:
+        if self.connector is not None and self.connector.unread:
+            view, rid = self.view, request.request_id
+            self._flush_saves(b for g in range(len(self.specs)) for b in view.request_block_ids(g, rid) or ())
         self.release(request)
         request.num_preemptions += 1
         self._wait_again(request, EV_PREEMPT)
@@ -258,11 +261,17 @@ class Scheduler(ChunkRules, LoadRoom):
 
     def _allocate(self, request: Request, num_new_tokens: int, **kwargs):
         token = self.hooks.before_allocation(self, request, num_new_tokens, kwargs)
+        held = self._table_lengths(request) if self.connector is not None and self.connector.unread else None
         try:
             result = self.target_calls.allocate_slots(request, num_new_tokens, **kwargs)
         except TargetCrash:
             self.hooks.allocation_crashed(self, request, token)
             raise
+        if result is not None and held is not None:
+            view, rid = self.view, request.request_id
+            self._flush_saves(
+                b for g, before in enumerate(held) for b in (view.request_block_ids(g, rid) or ())[before:]
+            )
         computed = (
             request.num_computed_tokens
             + kwargs.get("num_new_computed_tokens", 0)
@@ -272,6 +281,25 @@ class Scheduler(ChunkRules, LoadRoom):
             self.events[EV_SKIP] += 1
         self.hooks.after_allocation(self, request, token, result, computed)
         return result
+
+    def _table_lengths(self, request: Request) -> list[int]:
+        """How many entries each of ``request``'s tables holds (0 where it holds none)."""
+        view, rid = self.view, request.request_id
+        return [len(view.request_block_ids(g, rid) or ()) for g in range(len(self.specs))]
+
+    def _flush_saves(self, block_ids) -> None:
+        """``block_ids`` were just handed out again (an allocation's new entries, a copy's
+        destination) or given back by a preempted request: the saves still reading any of them
+        read them now, before anything is written there (vLLM 0.34.0's ``jobs_to_flush``)."""
+        if self.connector is not None and self.connector.unread:
+            self.connector.flush(block_ids)
+
+    def finish_save(self, job_id: int, ok: bool) -> None:
+        """An asynchronous save to the external tier completes (``ok``) or fails."""
+        if self.connector is None or job_id not in self.connector.saves:
+            in_flight = sorted(self.connector.saves) if self.connector is not None else []
+            raise RequestError(f"finish_save: no save {job_id} in flight; in flight: {in_flight}")
+        self.connector.finish_save(job_id, ok)
 
     def why_not_finish(self, request_id: str) -> str | None:
         """Why ``Finish`` is not made for ``request_id`` now, or None: kvprop's scheduler finishes any request."""
@@ -306,6 +334,7 @@ class Scheduler(ChunkRules, LoadRoom):
             budget = self._admit(report, budget)
         if self.copies_blocks:
             report.copies = self.target_calls.take_kv_cache_block_copies()
+            self._flush_saves(dest for _, dest in report.copies)
         self.hooks.before_execute(self, report)
         self._execute(report)
         self._advance(report)
@@ -326,6 +355,7 @@ class Scheduler(ChunkRules, LoadRoom):
             ext, load_async = 0, False
             if self.connector is not None and not request.load_failed:
                 ext = self.connector.num_new_matched_tokens(request, num_hit)
+                self.hooks.after_offer(self, request, num_hit, ext)
                 load_async = ext > 0 and self.connector.mode == "async"
             if self._batch_full() and not load_async:
                 break  # vLLM's loads_only: a full batch still starts asynchronous loads

@@ -25,7 +25,9 @@ from kvprop.allocator.registry import MANAGER_FOR_SPEC
 from kvprop.allocator.retention import kept_block_mask, resume_boundaries
 from kvprop.allocator.specs import FullAttention, Mamba, SlidingWindow, cdiv
 from kvprop.errors import ConfigError
+from kvprop.sim.connector import Connector
 from kvprop.sim.engine import Engine
+from kvprop.sim.memory import UNWRITTEN
 from kvprop.sim.request import Status
 
 
@@ -204,6 +206,30 @@ class ReservesOldestLoadOnly(Engine):
         others = [r for r in self.loading.values() if r is not request and r.status is not Status.ABORTING]
         oldest = min(others, key=lambda r: self.admitted_at[r.request_id], default=None)
         return 0 if oldest is None else self.blocks_to_finish(oldest)
+
+
+class SaveNotFlushed(Engine):
+    """A block handed out again (or given back by a preempted request) keeps the saves that read
+    it in flight: the new owner writes it before they have read it, and they carry its new
+    contents out under the old key (vLLM 0.34.0 flushes them, ``jobs_to_flush``)."""
+
+    def _flush_saves(self, block_ids):
+        return None
+
+
+class PublishesFailedSaves(Connector):
+    """The tier records a failed save's keys as held: they are offered, and a load brings what
+    the destination holds, nothing (vLLM 0.34.0's ``complete_store(success=False)`` drops them)."""
+
+    def complete_store(self, job, ok):
+        if not ok:
+            for block_hash, group, _ in job.entries:
+                self.tier.setdefault(block_hash, {})[group] = (UNWRITTEN,) * self.block_size
+        super().complete_store(job, ok)
+
+
+class FailedSavePublished(Engine):
+    connector_class = PublishesFailedSaves
 
 
 def _mixed_managers(mixin: type) -> dict:
@@ -484,6 +510,18 @@ VARIANTS = {
             "an asynchronous load is admitted keeping room for the oldest load in flight only",
             caught_as="load-room-short",
             engine=ReservesOldestLoadOnly,
+        ),
+        Variant(
+            "save-not-flushed",
+            "a block handed out again is written while a save of its old contents still reads it",
+            caught_as="write-during-save",
+            engine=SaveNotFlushed,
+        ),
+        Variant(
+            "failed-save-published",
+            "a failed save's keys are offered by the external tier as though the save had landed",
+            caught_as="tier-offers-unsaved",
+            engine=FailedSavePublished,
         ),
         Variant(
             "capacity-overcount",
