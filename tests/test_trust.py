@@ -676,10 +676,8 @@ def test_same_seed_with_two_workers_reports_the_same_find_twice(ran):
 
 @pytest.mark.parametrize("run_seed", [0, 5, 1_000_000])
 def test_neighbouring_run_seeds_share_no_walk_seed(run_seed):
-    assert walk_seed(run_seed, 0, 0) != walk_seed(run_seed + 1, 0, 0)
-    assert {walk_seed(run_seed, 0, i) for i in range(100)} & {
-        walk_seed(run_seed + 1, 0, i) for i in range(100)
-    } == set()
+    assert walk_seed(run_seed, 0) != walk_seed(run_seed + 1, 0)
+    assert {walk_seed(run_seed, i) for i in range(100)} & {walk_seed(run_seed + 1, i) for i in range(100)} == set()
 
 
 # ---- 18. the commands say what they do ----------------------------------------------------------------------

@@ -115,7 +115,7 @@ def supervision(quick: bool) -> list[dict]:
     _progress(f"supervision: {runs} walks in this process")
     steps, start = 0, time.perf_counter()
     for i in range(runs):
-        steps += run_walk(walk_seed(0, 0, i)).steps_run
+        steps += run_walk(walk_seed(0, i)).steps_run
     in_process = time.perf_counter() - start
     _progress(f"supervision: the same {runs} walks in a supervised worker")
     start = time.perf_counter()

@@ -172,7 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--out", default="counterexamples", help="where traces and regression tests are written")
     f.add_argument("--max-ops", type=operations, default=200, help="operations per walk")
     f.add_argument(
-        "--max-runs", type=positive_int, default=None, help="each worker stops after this many runs/examples"
+        "--max-runs",
+        type=positive_int,
+        default=None,
+        help="walk driver: the campaign's runs in all, the same runs on any number of workers; "
+        "hypothesis driver: the examples each worker runs",
     )
     f.add_argument(
         "--canary", action="store_true", help="first prove the checks find a fault switched on in the target"

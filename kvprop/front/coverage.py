@@ -1,6 +1,6 @@
 """``kvprop coverage``: how much of the target's allocator the walks reach, measured by coverage.py.
 
-Walks run in this process, one after another (``walk_seed(seed, 0, i)`` for i = 0, 1, ...,
+Walks run in this process, one after another (``walk_seed(seed, i)`` for i = 0, 1, ...,
 as fuzz worker 0 draws them) until the time budget is spent, under a ``coverage.Coverage``
 with branch measurement that is started before the allocator's modules are imported, so
 their import-time lines (``def``, ``class``, imports) count as executed. Finds are counted,
@@ -307,7 +307,7 @@ def measure(
         while True:
             one = targets[runs % len(targets)]  # walk i's seed on one target, walk i + 1's on the next
             result = run_walk(
-                walk_seed(seed, 0, runs), variant, one, device=device, max_ops=max_ops, journal=journal, index=runs
+                walk_seed(seed, runs), variant, one, device=device, max_ops=max_ops, journal=journal, index=runs
             )
             runs += 1
             steps += result.steps_run

@@ -5,9 +5,13 @@ Each worker runs one driver — the seeded walker (fast) or the Hypothesis state
 least every 2 s, hands every find to ``on_find`` the moment it arrives (the caller puts it
 on disk before anything else happens to it), and returns the find it reports.
 
-With the walker the reported find does not depend on timing: a walk's seed is a hash of
-(run seed, worker, index), and after a first find the other workers finish every walk
-index up to it, so the reported find is the one with the lowest (index, worker).
+A campaign is a seed and a run budget. Runs are numbered across the workers: worker ``w``
+of ``N`` runs ``first_run + w``, then every ``N``-th run after it, and run ``i`` walks
+``walk_seed(seed, i)`` whichever worker runs it. With the walker the reported find therefore
+depends on neither timing nor the number of workers: after a first find the other workers
+finish every run numbered below it, so the reported find is the failing run with the lowest
+number, and with ``--max-runs`` the runs (and, going on past triaged finds, every find) are
+the same for one worker or many.
 """
 
 from __future__ import annotations
@@ -52,7 +56,10 @@ class FuzzOptions:
     target: str | None = None
     device: str | None = None
     max_ops: int = 200
-    max_runs: int | None = None  # a deterministic budget: each worker stops after this many runs / examples
+    # walk driver: the campaign's runs in all, numbered first_run up to max_runs (run i is the same
+    # run on any number of workers); hypothesis driver: the examples each worker runs
+    max_runs: int | None = None
+    first_run: int = 0  # walk driver: the number of the campaign's first run (a batch of a larger campaign)
     redis: str | None = None  # share failures with other machines through this Redis URL
     canary: bool = False  # search with the canary fault on (kvprop.targets.canary)
     fresh: bool = False  # the Hypothesis driver neither reads nor writes its example database
@@ -72,7 +79,7 @@ class FuzzResult:
     shared: bool = False  # found by another machine, through the shared store
     refused: dict = attrs.field(factory=dict)  # why the target refused configurations: reason -> count
     interrupted: bool = False
-    deterministic: bool = True  # the reported find is the lowest (index, worker), whatever the timing
+    deterministic: bool = True  # the reported find is the lowest-numbered failing run, whatever the timing
     known: dict = attrs.field(factory=dict)  # finds already triaged, which did not end the search: signature -> count
 
     @property
@@ -107,7 +114,7 @@ def _walk_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: int, f
     while not stop.is_set() and i <= limit.value and (opts.max_runs is None or i < opts.max_runs):
         if _orphaned(parent):
             return
-        seed = walk_seed(opts.seed, index, i)
+        seed = walk_seed(opts.seed, i)
         sv.restart_log()
         result = run_walk(
             seed, opts.variant, opts.target, opts.device, opts.max_ops, canary=opts.canary, journal=journal, index=i
@@ -127,7 +134,7 @@ def _walk_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: int, f
                 out.put(("failure", i, index, found, log))
                 return
             out.put(("known", found, log))
-        i += 1
+        i += opts.workers
     out.put(("progress", runs, steps, events, refused))
 
 
@@ -190,7 +197,7 @@ def _hypothesis_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: 
     machine.on_example = staticmethod(on_example)
     i = first
     while not stop.is_set() and (opts.max_runs is None or machine.counters["examples"] < opts.max_runs):
-        s = walk_seed(opts.seed, index, i)
+        s = walk_seed(opts.seed, i)
         machine.run_seed = s
         try:
             run_state_machine_as_test(hseed(s)(machine), settings=chunk)
@@ -210,7 +217,7 @@ def _hypothesis_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: 
             log = _copy_log(files, index, i)
             out.put(("failure", i, index, tr.to_dict(attrs.evolve(failure_trace(machine), seed=s)), log))
             return
-        i += 1
+        i += opts.workers
     _progress(out, machine, reported)
 
 
@@ -318,7 +325,7 @@ def _search(opts: FuzzOptions, status, on_find, start: float, store, seen: int, 
         workers[index] = p
 
     for i in range(opts.workers):
-        spawn(i, 0)
+        spawn(i, opts.first_run + i)
     tally = Tally(on_find=on_find, reachable=reachable_events(opts.target))
     shared = interrupted = False
     last_status = time.monotonic()
@@ -433,6 +440,6 @@ def _judge_workers(opts: FuzzOptions, workers: dict, tally, files: Path, out, sp
         if is_known(opts, found) and opts.driver == "walk":
             tally.known_find(found, None if log is None else str(log))
             tally.exited.discard(index)
-            spawn(index, walk + 1)
+            spawn(index, walk + opts.workers)
         else:
             tally.take(found, elapsed, (walk, index), None if log is None else str(log))

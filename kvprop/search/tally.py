@@ -1,5 +1,5 @@
 """What a campaign's workers have reported so far: progress adds up, finds are kept by
-(walk index, worker) so that the reported one does not depend on timing, and triaged finds are
+(run number, worker) so that the reported one does not depend on timing, and triaged finds are
 counted by signature (``kvprop.search.signature``), distinct findings apart from traces.
 """
 
@@ -18,7 +18,7 @@ from kvprop.sim.events import EVENTS
 
 @attrs.define
 class Tally:
-    """What the workers have reported: progress adds up; finds are kept by (index, worker)."""
+    """What the workers have reported: progress adds up; finds are kept by (run number, worker)."""
 
     on_find: Callable[[Trace, str | None], None] | None = None  # each find as it is taken, with its log
     reachable: tuple = EVENTS  # the engine events the target can reach (kvprop.targets.protocol)
