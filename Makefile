@@ -15,7 +15,7 @@ all: test
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "installing kvprop and its dependencies into $(VENV) (torch is the CPU build, see constraints.txt)"
-	@$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,redis,lint]' 2>&1 \
+	@$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,redis,lint,ray]' 2>&1 \
 		| grep -v "is ignored: it is neither a file nor a directory" || true
 	@$(BIN)/python -c "import kvprop, torch, hypothesis; print('kvprop', kvprop.__version__, '| torch', torch.__version__, '| hypothesis', hypothesis.__version__)"
 	@touch $@

@@ -185,6 +185,15 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument(
         "--redis", type=redis_url, default=None, metavar="URL", help="share finds with other machines through Redis"
     )
+    f.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="walk driver: run the campaign as Ray tasks on the cluster at ADDRESS (HOST:PORT, ray://HOST:PORT, "
+        "auto), or on a Ray instance started here with --workers CPUs when no ADDRESS (pip install 'kvprop[ray]')",
+    )
     f.add_argument("--fresh", action="store_true", help="hypothesis driver: ignore the example database (.hypothesis/)")
     f.add_argument("--json", action="store_true", help="print one JSON summary on stdout (progress goes to stderr)")
     f.add_argument(

@@ -41,12 +41,18 @@ def cmd_fuzz(args) -> int:
         )
     out = counterexample.check_out(Path(args.out))
     args.logs = {}  # a find's trace -> where the target's output in its run is kept
-    with supervisor_for(args, args.variant, args.target) as supervisor:
-        dead = supervisor.probe()
-    if dead is not None:  # the target died or hung while being built: a find before any search
-        return _report_find(args, fuzz.FuzzResult(dead, 0, 0, 0.0, frozenset(), 0.0), out, _summary(args, None))
-    if args.canary and not _canary(args):
-        return EXIT_USAGE
+    on_ray = args.ray is not None
+    if on_ray:
+        from kvprop.front import ray_fuzz
+
+        ray_fuzz.check_args(args)  # the target is probed on every node of the cluster instead
+    else:
+        with supervisor_for(args, args.variant, args.target) as supervisor:
+            dead = supervisor.probe()
+        if dead is not None:  # the target died or hung while being built: a find before any search
+            return _report_find(args, fuzz.FuzzResult(dead, 0, 0, 0.0, frozenset(), 0.0), out, _summary(args, None))
+        if args.canary and not _canary(args):
+            return EXIT_USAGE
     opts = fuzz.FuzzOptions(
         seconds=args.seconds,
         workers=args.workers,
@@ -63,15 +69,7 @@ def cmd_fuzz(args) -> int:
         triaged=triaged,
         call_timeout=args.call_timeout,
     )
-    label = f"variant {args.variant}" if args.variant else f"target {args.target or 'kvprop'}"
-    workers = f"{args.workers} worker{'s' if args.workers != 1 else ''}"
-    unguarded = ", without the allocator's own guards" if args.no_guards else ""
-    say(
-        args,
-        f"kvprop {__version__} fuzz: driver {args.driver}, {label}, {workers}, "
-        f"{args.seconds:g}s budget, seed {args.seed}{unguarded}",
-    )
-    saved = {}
+    saved: dict = {}
 
     def on_find(trace, log=None):
         name = counterexample.name_for(trace)
@@ -82,23 +80,55 @@ def cmd_fuzz(args) -> int:
             args.logs[trace] = counterexample.keep_log(Path(log), out, name)
             say(args, f"  the target's output in that run: {args.logs[trace]}")
 
+    if on_ray:
+        return _on_ray(args, opts, out, on_find, saved)
+    label = f"variant {args.variant}" if args.variant else f"target {args.target or 'kvprop'}"
+    workers = f"{args.workers} worker{'s' if args.workers != 1 else ''}"
+    unguarded = ", without the allocator's own guards" if args.no_guards else ""
+    say(
+        args,
+        f"kvprop {__version__} fuzz: driver {args.driver}, {label}, {workers}, "
+        f"{args.seconds:g}s budget, seed {args.seed}{unguarded}",
+    )
     try:
         result = fuzz.search(opts, status=lambda line: say(args, line), on_find=on_find, started=args.started)
     except fuzz.Unusable as e:
         raise ConfigError(f"nothing could be tested: {e}") from None
     summary = _summary(args, result)
     if result.interrupted:
-        say(
-            args,
-            f"\ninterrupted: {result.runs:,} runs, {result.steps:,} steps in {result.seconds:.1f}s, seed {args.seed}",
-        )
-        for path in saved.values():
-            say(args, f"  a find is saved in {path}")
-        _emit_json(args, summary, saved=[str(p) for p in saved.values()])
-        return EXIT_INTERRUPTED
+        return _interrupted(args, result, summary, saved)
     if result.found is None:
         return _clean(args, result, summary)
     return _report_find(args, result, out, summary)
+
+
+def _interrupted(args, result, summary, saved: dict) -> int:
+    say(args, f"\ninterrupted: {result.runs:,} runs, {result.steps:,} steps in {result.seconds:.1f}s, seed {args.seed}")
+    for path in saved.values():
+        say(args, f"  a find is saved in {path}")
+    _emit_json(args, summary, saved=[str(p) for p in saved.values()])
+    return EXIT_INTERRUPTED
+
+
+def _on_ray(args, opts, out, on_find, saved: dict) -> int:
+    """The campaign as Ray tasks (``kvprop.front.ray_fuzz``), reported as the process pool's is;
+    the find is minimised and its steps replayed on the cluster."""
+    from kvprop.front import ray_fuzz
+    from kvprop.repro import counterexample
+
+    with ray_fuzz.session(args, opts) as slots:
+        result = ray_fuzz.campaign(args, opts, slots, on_find)
+        summary = _summary(args, result)
+        summary["ray"] = {"cpus": slots, "runs_per_node": result.nodes, "requeued_batches": result.requeued}
+        if result.interrupted:
+            return _interrupted(args, result, summary, saved)
+        if result.found is None:
+            return _clean(args, result, summary)
+        found = result.found
+        say(args, f"\nminimising {len(found.steps)} operations on the cluster (Ctrl-C keeps the trace as found) ...")
+        best, interrupted = ray_fuzz.minimise_on_cluster(args, found)
+        name = counterexample.name_for(found)
+        return _write_find(args, result, out, summary, name, best, interrupted, ray_fuzz.ClusterReplays(args))
 
 
 def _without_guards(no_guards: bool, target: str | None) -> None:
