@@ -432,9 +432,15 @@ def with_baseline(rows: list[dict], baseline: dict) -> list[dict]:
     return [{"measure": r["measure"], "before": baseline.get(r["measure"], "not measured"), **r} for r in rows]
 
 
-PARTS = ("throughput", "supervision", "scaling", "time_to_find", "vllm", "sglang", "targets")
-# vllm and sglang need their engine's environment
-DEFAULT_PARTS = tuple(part for part in PARTS if part not in ("vllm", "sglang"))
+PARTS = ("throughput", "supervision", "scaling", "time_to_find", "vllm", "sglang", "ray", "targets")
+# vllm and sglang need their engine's environment, ray the ray extra (kvprop.front.ray_bench)
+DEFAULT_PARTS = tuple(part for part in PARTS if part not in ("vllm", "sglang", "ray"))
+
+
+def ray(quick: bool) -> list[dict]:
+    from kvprop.front import ray_bench
+
+    return ray_bench.rows(quick)
 
 
 def main(
@@ -451,6 +457,7 @@ def main(
         "time_to_find": time_to_find,
         "vllm": vllm,
         "sglang": sglang,
+        "ray": ray,
     }
     if markdown is not None and not Path(markdown).parent.is_dir():
         raise ConfigError(f"--markdown {markdown!r}: its folder does not exist")

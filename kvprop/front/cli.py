@@ -17,7 +17,7 @@ import traceback
 from kvprop import __version__, interrupt
 from kvprop.errors import KvpropError
 from kvprop.exits import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE
-from kvprop.search import CALL_TIMEOUT, DRIVERS  # imports nothing else: the CLI measures what it runs
+from kvprop.search import CALL_TIMEOUT, DRIVERS, RAY_BATCH  # imports nothing else: the CLI measures what it runs
 
 MAX_OPS = 10_000
 MAX_SEED = 2**63 - 1
@@ -193,6 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ADDRESS",
         help="walk driver: run the campaign as Ray tasks on the cluster at ADDRESS (HOST:PORT, ray://HOST:PORT, "
         "auto), or on a Ray instance started here with --workers CPUs when no ADDRESS (pip install 'kvprop[ray]')",
+    )
+    f.add_argument(
+        "--ray-batch",
+        type=positive_int,
+        default=RAY_BATCH,
+        metavar="RUNS",
+        help="--ray: runs per task (larger batches for larger clusters: docs/campaigns.md's cost model)",
     )
     f.add_argument("--fresh", action="store_true", help="hypothesis driver: ignore the example database (.hypothesis/)")
     f.add_argument("--json", action="store_true", help="print one JSON summary on stdout (progress goes to stderr)")
@@ -377,7 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PART",
         help="which tables: throughput, supervision (the same walks in this process and in a supervised "
         "worker), scaling, time_to_find, vllm (run from a vLLM environment), sglang (from an SGLang "
-        "environment), targets; default: all but vllm and sglang",
+        "environment), ray (a campaign as Ray tasks against the process pool, and its cost model), targets; "
+        "default: all but vllm, sglang and ray",
         default=None,
     )
     return p

@@ -42,7 +42,7 @@ def session(args, opts):
     started_here = rc.connect(address, args.workers)
     try:
         slots = rc.check_nodes(opts)
-        where = f"Ray cluster {address}" if address else "a Ray instance on this machine"
+        where = f"Ray cluster {address}" if address else "a local Ray instance"
         label = f"variant {args.variant}" if args.variant else f"target {args.target or 'kvprop'}"
         budget = f"{args.max_runs:,} runs" if args.max_runs else f"{args.seconds:g}s"
         say(
@@ -79,7 +79,14 @@ def campaign(args, opts, slots: int, on_find):
             store.push(trace)
 
     try:
-        return rc.campaign(opts, slots, status=lambda line: say(args, line), on_find=received, started=args.started)
+        return rc.campaign(
+            opts,
+            slots,
+            status=lambda line: say(args, line),
+            on_find=received,
+            started=args.started,
+            batch_runs=args.ray_batch,
+        )
     except fuzz.Unusable as e:
         raise ConfigError(f"nothing could be tested: {e}") from None
 

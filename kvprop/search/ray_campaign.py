@@ -32,11 +32,11 @@ import attrs
 
 from kvprop import interrupt
 from kvprop.errors import ConfigError, TargetError
-from kvprop.search import fuzz
+from kvprop.search import RAY_BATCH, fuzz
 from kvprop.search import trace as tr
 from kvprop.search.trace import Trace
 
-BATCH_RUNS = 32  # runs per task: large enough that a task's start (a fork, the target's load) is a small share
+BATCH_RUNS = RAY_BATCH  # runs per task, unless the campaign says otherwise
 MAX_ATTEMPTS = 3  # a batch that loses its worker this many times ends the campaign (a fault of the cluster)
 LOG_TAIL = 64 * 1024  # bytes of the target's output in a find's run that travel with the find
 STATUS_EVERY = 2.0
@@ -105,7 +105,7 @@ def _reachable(address: str) -> None:
     except OSError as e:
         raise RayUnavailable(
             f"--ray {address}: cannot connect ({e.strerror or e}); start a cluster with `ray start --head` "
-            f"and pass its address, or give --ray no address for a Ray instance on this machine"
+            f"and pass its address, or give --ray no address for a local Ray instance"
         ) from None
 
 
