@@ -16,7 +16,7 @@ from kvprop.search.signature import features, read_triaged, signature_of
 from kvprop.search.trace import TraceError
 
 ROOT = Path(__file__).resolve().parent.parent
-CAMPAIGN = ["--variant", "hit-stops-early", "--workers", "1", "--seed", "1", "--max-runs", "40", "--json"]
+CAMPAIGN = ["--variant", "hit-stops-early", "--workers", "1", "--seed", "2", "--max-runs", "40", "--json"]
 
 
 def fuzz(tmp_path, *args):

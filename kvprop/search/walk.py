@@ -69,7 +69,8 @@ def plan(seed: int, max_ops: int = 200) -> Trace:
     harness = Harness(begun.config, checks=False)
     taken: list[Operation] = []
     run(harness, operations(begun, harness, taken), drain=False)
-    return Trace(config=begun.config, steps=tuple(taken), seed=seed, driver="walk")
+    # guarded, whatever the setting of the process that first asked (the plan is cached)
+    return Trace(config=begun.config, steps=tuple(taken), seed=seed, driver="walk", guards=True)
 
 
 def walk_seed(run_seed: int, index: int) -> int:
