@@ -62,9 +62,11 @@ bench-quick: $(STAMP)
 	$(BIN)/kvprop bench --quick
 
 # docs/benchmarks.md, generated: the tables of the short runs (the full ones take far longer),
-# headed by the command, the date and the machine that measured them.
+# headed by the command, the date and the machine that measured them; docs/campaign-costs.md:
+# a campaign as Ray tasks against the process pool, and the cost model's figures.
 benchmarks: $(STAMP)
 	$(BIN)/kvprop bench --quick --markdown docs/benchmarks.md
+	$(BIN)/kvprop bench --markdown docs/campaign-costs.md ray
 
 lint: $(STAMP)
 	$(LINT)

@@ -21,6 +21,7 @@ timed: a campaign pays it once). From these:
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 
@@ -44,8 +45,8 @@ def efficiency(nodes: int, cpus: int, batch_seconds: float, overhead: float, dri
 def rows(quick: bool) -> list[dict]:
     from kvprop.search import ray_campaign as rc
 
-    runs = 192 if quick else 960
     batch = rc.BATCH_RUNS
+    runs = batch * (4 if quick else 16)  # whole batches, as many on each CPU: no tail where one CPU waits
     print(f"  measuring ray: {runs} runs in the process pool of 2 workers ...", file=sys.stderr, flush=True)
     pool = _campaign_seconds(runs, 2)
     print(f"  measuring ray: the same {runs} runs as Ray tasks on 2 local CPUs ...", file=sys.stderr, flush=True)
@@ -81,6 +82,11 @@ def rows(quick: bool) -> list[dict]:
         {"measure": "driver d (CPU-seconds per batch)", "value": round(driver, 5)},
     ]
     for nodes in (10, 100):
+        cpus = f"{nodes} nodes x {CPUS_PER_NODE} CPUs"
         e = efficiency(nodes, CPUS_PER_NODE, batch * t, overhead, driver)
-        rows.append({"measure": f"expected efficiency, {nodes} nodes x {CPUS_PER_NODE} CPUs", "value": round(e, 3)})
+        rows.append({"measure": f"expected efficiency, {cpus}", "value": round(e, 3)})
+        enough = max(batch, math.ceil((nodes * CPUS_PER_NODE * driver - overhead) / t)) if t > 0 else batch
+        rows.append({"measure": f"runs per task (--ray-batch) for the driver to keep up, {cpus}", "value": enough})
+        e = efficiency(nodes, CPUS_PER_NODE, enough * t, overhead, driver)
+        rows.append({"measure": f"expected efficiency with them, {cpus}", "value": round(e, 3)})
     return rows
