@@ -15,10 +15,11 @@ from kvprop.targets.variants import VARIANTS
 MAX_WALKS = 200  # per variant; the walker finds each within a few dozen (`kvprop bugs`) but
 # the motivating bug, found at walk seed 181
 # ... and this engine variant (a hit inside a block, then a chunk saving a checkpoint), first
-# found at walk seed 352: its replays would cost CI a minute; the two other checkpoint
-# variants (found at seed 48) compare the same checks on the same shapes
-SLOW_TO_FIND = {"checkpoint-chunk-past-block", "copy-before-compute"}  # the second: a long search's
-# find, compared both ways in tests/test_same_step_copy.py
+# found at walk seed 480, and vLLM's checkpoint over the running state, first found at walk
+# seed 1,945: their replays would cost CI minutes; checkpoint-keyed-late compares the same
+# checks on the same shapes
+SLOW_TO_FIND = {"checkpoint-chunk-past-block", "checkpoint-over-running-state", "copy-before-compute"}
+# (the last: a long search's find, compared both ways in tests/test_same_step_copy.py)
 
 
 def _words(failure):

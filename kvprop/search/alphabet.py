@@ -157,6 +157,13 @@ def sample_config(choose, shapes: Shapes = ANY_SHAPE) -> EngineConfig:
     )
     if layouts and side.integer(0, 1):
         config = attrs.evolve(config, allocator=attrs.evolve(config.allocator, page_layout=side.pick(layouts)))
+    # A budget of at most four blocks in half the shapes: drawn in tokens alone (1 to 64), most
+    # budgets of small blocks take a whole prompt in one chunk, and prefills in chunks of a few
+    # blocks (a chunk ending blocks past the last one's end) come mostly from large blocks.
+    if side.integer(0, 1):
+        few_blocks = side.integer(1, 4 * bs)
+        floor = 1 + speculative if shapes.drafts_within_budget else 1
+        config = attrs.evolve(config, token_budget=max(few_blocks, floor))
     return config
 
 
