@@ -220,7 +220,9 @@ def test_release_rules_name_what_each_release_lacks_and_its_known_bugs(release, 
 
 def test_bench_with_an_unknown_part_exits_2_and_lists_the_parts():
     r = kvprop("bench", "nosuch", cwd=ROOT)
-    says = "invalid part 'nosuch' (choose from throughput, supervision, scaling, time_to_find, vllm, sglang, ray, targets)"
+    says = (
+        "invalid part 'nosuch' (choose from throughput, supervision, scaling, time_to_find, vllm, sglang, ray, targets)"
+    )
     assert (r.returncode, says in r.stderr, "Traceback" in r.stderr) == (2, True, False), r.stderr
 
 
