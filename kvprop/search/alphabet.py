@@ -163,7 +163,8 @@ def sample_config(choose, shapes: Shapes = ANY_SHAPE) -> EngineConfig:
     if side.integer(0, 1):
         few_blocks = side.integer(1, 4 * bs)
         floor = 1 + speculative if shapes.drafts_within_budget else 1
-        config = attrs.evolve(config, token_budget=max(few_blocks, floor))
+        # never below max_num_seqs: vLLM's SchedulerConfig refuses such a budget at start-up
+        config = attrs.evolve(config, token_budget=max(few_blocks, floor, config.max_num_seqs or 1))
     return config
 
 

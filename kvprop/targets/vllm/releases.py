@@ -165,6 +165,12 @@ def scheduler_refusal(config: EngineConfig) -> str | None:
             f"with {config.speculative_tokens} drafts vLLM's scheduler needs a token budget of at least "
             f"{1 + config.speculative_tokens} (token_budget={config.token_budget})"
         )
+    if config.max_num_seqs is not None and config.token_budget < config.max_num_seqs:
+        # SchedulerConfig refuses it at start-up (vllm/config/scheduler.py, 0.22.1 to 0.34.0)
+        return (
+            f"vLLM's scheduler needs a token budget of at least max_num_seqs (token_budget={config.token_budget}, "
+            f"max_num_seqs={config.max_num_seqs}): SchedulerConfig refuses max_num_batched_tokens < max_num_seqs"
+        )
     if config.allocator.eagle:
         return (
             "the EAGLE drop is not driven through vLLM's scheduler (eagle must be False): it drafts by "
