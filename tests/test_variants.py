@@ -27,7 +27,10 @@ MAX_SHRUNK = 12  # rule steps a find minimises to, at most
 # vLLM 0.33.0's copy of a block keyed in the current step (below): the state machine does not
 # find it within CI's budget (`kvprop fuzz --driver hypothesis --fresh --workers 1`, examples
 # until the find).
-BEYOND_BUDGET = {"copy-before-compute": "seed 3: none in 1,000"}
+BEYOND_BUDGET = {
+    "checkpoint-over-running-state": "seed 4: none in 1,000",
+    "copy-before-compute": "seed 3: none in 1,000",
+}
 
 # vLLM 0.33.0's copy of a block keyed in the current step needs a hybrid shape with hits inside
 # a block where the state group's hit at the boundary is older than full attention's key: the
