@@ -175,3 +175,58 @@ def test_a_minimised_trace_that_cannot_be_written_where_asked_is_written_elsewhe
         True,
     ), r.stderr
     Path(fallback).unlink()
+
+
+# ---- processes a target starts end with its run ----------------------------------------------------
+
+FORK = (
+    "child = os.fork()\n"
+    "        if child == 0:\n"
+    "            time.sleep(3600)\n"
+    "            os._exit(0)\n"
+    "        open(os.environ['KVPROP_TEST_PIDS'], 'a').write(f'{child}\\n')"
+)
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting to be reaped does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def forked_survivors(tmp_path: Path, *args) -> tuple[int, list[int]]:
+    """(exit code, the target's forked processes still alive) after ``kvprop ARGS`` ran a target
+    that forks a sleeping child in every allocation."""
+    pids = tmp_path / "pids"
+    env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}", "KVPROP_TEST_PIDS": str(pids)}
+    r = cli(*args, cwd=tmp_path, env=env)
+    forked = [int(line) for line in pids.read_text().split()] if pids.exists() else []
+    assert forked, r.stdout + r.stderr  # the target did fork
+    return r.returncode, [pid for pid in forked if alive(pid)]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("fuzz", "--workers", "1", "--seed", "1", "--max-runs", "20", "--out", "cx"),
+        ("fuzz", "--workers", "1", "--seed", "1", "--max-runs", "20", "--driver", "hypothesis", "--out", "cx"),
+        ("agree", "--walks", "3", "--out", "cx"),
+    ],
+    ids=["fuzz-walk", "fuzz-hypothesis", "agree"],
+)
+def test_no_process_a_target_forks_outlives_the_command(tmp_path, command):
+    target = write_target(tmp_path, every_call=FORK)
+    rc, survivors = forked_survivors(tmp_path, *command, "--target", target)
+    assert (rc in (0, 1), survivors) == (True, [])
+
+
+def test_no_process_a_target_forks_outlives_a_replay(tmp_path):
+    target = write_target(tmp_path, in_call=FAULTS["exit"])
+    fuzz(tmp_path, target)
+    trace = minimised(tmp_path)
+    write_target(tmp_path, every_call=FORK, in_call=FAULTS["exit"])
+    rc, survivors = forked_survivors(tmp_path, "replay", str(trace), "--target", target)
+    assert (rc, survivors) == (1, [])

@@ -322,6 +322,7 @@ def _search(opts: FuzzOptions, status, on_find, start: float, store, seen: int, 
         (files / f"w{index}.journal").unlink(missing_ok=True)
         p = ctx.Process(target=_worker, args=(index, opts, out, stop, limit, parent, first, files), daemon=True)
         p.start()
+        p.spawned = time.time()  # type: ignore[attr-defined]  # its start-up is held to sv.START_GRACE
         workers[index] = p
 
     for i in range(opts.workers):
@@ -367,6 +368,7 @@ def _search(opts: FuzzOptions, status, on_find, start: float, store, seen: int, 
             p.join(timeout=max(0.1, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
+            sv.end_group(p.pid)
         while True:
             try:
                 msg = out.get_nowait()
@@ -414,12 +416,13 @@ def _judge_workers(opts: FuzzOptions, workers: dict, tally, files: Path, out, sp
             continue
         hung = None
         if p.is_alive():
-            idle = sv.age(files / f"w{index}.journal", now)
-            if idle <= opts.call_timeout:
+            idle, grace = sv.idle_for(files / f"w{index}.journal", p.spawned, now)
+            if idle <= (grace or opts.call_timeout):
                 continue
             p.kill()
             hung = idle
         p.join()
+        sv.end_group(p.pid)
         while True:  # what it sent before it died is counted before its death
             try:
                 tally.absorb(out.get(timeout=0.05), elapsed)

@@ -149,9 +149,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         counters = type(self).counters
         counters["examples"] += 1
         journal = type(self).journal
-        if journal is not None:
+        if journal is not None:  # in a supervised worker: no process of the last example lives on
+            from kvprop.search.supervisor import end_descendants
             from kvprop.search.trace import Trace
 
+            end_descendants()
             header = Trace(config, (), self.variant, self.target, seed=type(self).run_seed, driver="hypothesis")
             journal.begin(header)
         try:

@@ -111,6 +111,25 @@ def age(path: Path, now: float) -> float:
         return 0.0
 
 
+def begun(path: Path) -> bool:
+    """Whether a worker has begun its first run (its journal holds a header). Until then it runs
+    kvprop's own start-up (a spawned one imports torch anew, a coverage worker starts measuring),
+    which no call timeout counts: on a loaded machine that alone takes seconds."""
+    try:
+        return os.stat(path).st_size > 0
+    except OSError:
+        return False
+
+
+def idle_for(path: Path, started: float, now: float) -> tuple[float, float]:
+    """(seconds without progress, the limit they are held to) for a worker whose journal is
+    ``path`` and whose request or start was at ``started`` (both from ``time.time()``): before its
+    first run it is held to ``START_GRACE`` alone."""
+    if not begun(path):
+        return now - started, START_GRACE
+    return min(now - started, age(path, now)), 0.0
+
+
 # ---- a worker's set-up ---------------------------------------------------------------------
 
 
@@ -124,13 +143,65 @@ def die_with_parent(parent: int) -> None:
         os._exit(0)
 
 
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def lead_own_group() -> None:
+    """This worker leads a process group of its own, and adopts the orphans of whatever the target
+    starts (Linux's child subreaper): every descendant of the target stays in the group or becomes
+    the worker's child, so ``end_descendants`` ends them between runs and ``end_group`` ends the
+    group with the worker. A signal sent to kvprop's own group (``timeout``, a CI cancelling, a
+    terminal's Ctrl-C) reaches kvprop alone, which ends its workers itself."""
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def children() -> list[int]:
+    """The worker's child processes (the target's, and the orphans it adopted), from ``/proc``."""
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/children") as f:
+                found += [int(pid) for pid in f.read().split()]
+    return found
+
+
+def end_descendants() -> None:
+    """Between runs: no process the target started in one run lives into the next. Each child is
+    killed with its own group (a target may have given it one) and reaped; the orphans of those it
+    killed come back as children, until none is left."""
+    for _ in range(64):  # each round ends one generation; a target cannot outrun it for long
+        pids = children()
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in pids:
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(pid, 0)
+
+
+def end_group(pid: int | None) -> None:
+    """Kill what is left of the process group worker ``pid`` led: the target's descendants outlive
+    neither a run, nor a worker, nor kvprop."""
+    if pid is None:
+        return
+    with contextlib.suppress(OSError):
+        os.killpg(pid, signal.SIGKILL)
+
+
 def enter_worker(log_path: Path, parent: int) -> None:
     """Make this process a worker: the target's output goes to ``log_path``; Ctrl-C is the
     parent's to handle (so a ``KeyboardInterrupt`` here can only come from target code, and is
-    its crash); the worker dies with the parent."""
+    its crash); the worker dies with the parent, and leads its own process group."""
     from kvprop.sim import target_calls
 
     die_with_parent(parent)
+    lead_own_group()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     target_calls.supervised()
@@ -143,7 +214,9 @@ def enter_worker(log_path: Path, parent: int) -> None:
 
 
 def restart_log() -> None:
-    """Each run's log starts empty, so the log beside a find is that run's output alone."""
+    """Each run starts with no process of an earlier run left, and its log empty, so the log
+    beside a find is that run's output alone."""
+    end_descendants()
     sys.stdout.flush()
     sys.stderr.flush()
     with contextlib.suppress(OSError):
@@ -351,6 +424,7 @@ class Supervisor:
             if self.proc.is_alive():
                 self.proc.kill()
                 self.proc.join()
+            end_group(self.proc.pid)
             self.proc = None
         shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -379,19 +453,16 @@ class Supervisor:
                         return self.conn.recv()
                 self.proc.join()
                 return self._died(exitcode=self.proc.exitcode)
-            now = time.time()
-            begun = self.journal_path.exists()
-            idle = min(now - started, age(self.journal_path, now) if begun else now)
-            # Until its journal exists the worker runs kvprop's own start-up (a spawned one imports
-            # torch anew), not target code: the call timeout starts to count from there.
-            if idle > (self.call_timeout if begun else max(self.call_timeout, START_GRACE)):
+            idle, grace = idle_for(self.journal_path, started, time.time())
+            if idle > (grace or self.call_timeout):
                 self.proc.kill()
                 self.proc.join()
                 return self._died(hung=idle)
 
     def _died(self, exitcode=None, hung=None):
-        found, _ = judge(self.journal_path, exitcode=exitcode, hung=hung)
+        end_group(self.proc.pid)
         self.proc = None
+        found, _ = judge(self.journal_path, exitcode=exitcode, hung=hung)
         return ("died", found)
 
     def _answer(self, answer):
