@@ -81,6 +81,7 @@ class TargetCrash(Exception):
             if frame
             else "?"
         )
+        notes = "".join(f" ({note})" for note in error.__dict__.get("__notes__", ()))
         super().__init__(
-            f"target-crash: {self.exception_type} raised by the target's {call}() at {self.where}: {error}"
+            f"target-crash: {self.exception_type} raised by the target's {call}() at {self.where}: {error}{notes}"
         )

@@ -109,6 +109,46 @@ def test_a_call_that_raises_system_exit_is_a_target_crash_in_that_call(tmp_path)
     )
 
 
+OUTCOME = "class Outcome(BaseException):\n    pass\n"  # as a test framework's outcome or asyncio.CancelledError
+
+
+@pytest.mark.parametrize("driver", ["walk", "hypothesis"])
+def test_a_target_raising_its_own_base_exception_in_a_call_is_a_target_crash_naming_it(tmp_path, driver):
+    target = write_target(tmp_path, at_import=OUTCOME, in_call="raise Outcome('cancelled')")
+    r = fuzz(tmp_path, target, "--driver", driver)
+    find = json.loads(r.stdout)["find"]
+    assert (r.returncode, find["kind"], "Outcome raised by the target's allocate_slots()" in find["message"]) == (
+        1,
+        "target-crash",
+        True,
+    ), r.stderr
+
+
+@pytest.mark.parametrize("driver", ["walk", "hypothesis"])
+def test_a_factory_raising_its_own_base_exception_is_a_target_crash_naming_it(tmp_path, driver):
+    target = write_target(tmp_path, at_import=OUTCOME, in_factory="raise Outcome('cancelled')")
+    r = fuzz(tmp_path, target, "--driver", driver)
+    find = json.loads(r.stdout)["find"]
+    saved = json.loads(minimised(tmp_path).read_text())["failure"]
+    assert (r.returncode, find["kind"], saved["exception"], "while building the target" in saved["message"]) == (
+        1,
+        "target-crash",
+        "Outcome",
+        True,
+    ), r.stderr
+
+
+@pytest.mark.parametrize("command", ["replay", "agree"])
+def test_a_target_raising_its_own_base_exception_is_a_find_under_replay_and_agree(tmp_path, command):
+    target = write_target(tmp_path, at_import=OUTCOME, in_call="raise Outcome('cancelled')")
+    fuzz(tmp_path, target)
+    args = ("replay", str(minimised(tmp_path))) if command == "replay" else ("agree", "--walks", "20", "--out", "cx2")
+    r = kvprop(tmp_path, *args, "--target", target)
+    assert (r.returncode, "Outcome" in r.stdout + r.stderr, "internal error" in r.stderr) == (1, True, False), (
+        r.stdout + r.stderr
+    )
+
+
 @pytest.mark.parametrize("error", ["TypeError", "ValueError", "RecursionError", "MemoryError"])
 @pytest.mark.parametrize("command", ["fuzz", "replay"])
 def test_a_factory_that_raises_exits_2_naming_the_target_and_the_exception(tmp_path, error, command):

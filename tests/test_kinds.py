@@ -14,7 +14,7 @@ from kvprop.allocator.specs import FullAttention, SlidingWindow
 from kvprop.check import moments
 from kvprop.check.checker import Checker, drain
 from kvprop.check.kinds import KINDS
-from kvprop.errors import Violation
+from kvprop.errors import TargetCrash, Violation
 from kvprop.sim.request import Status
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvprop"
@@ -672,12 +672,25 @@ def _admitting_engine():
     return eng
 
 
-def test_an_allocation_beyond_the_pool_that_is_attempted_is_accepted_beyond_capacity(monkeypatch):
+def test_an_allocation_beyond_the_pool_that_raises_is_a_target_crash_naming_the_rule(monkeypatch):
     eng = _admitting_engine()
     monkeypatch.setattr(eng.allocator.coordinator, "count_blocks_to_allocate", lambda *a: 0)
     eng.add_request([3, 3, 3, 3, 3, 3, 3, 3], 1)
-    with pytest.raises(Violation) as info:
+    with pytest.raises(TargetCrash) as info:
         eng.step()
+    assert (info.value.call, "an allocation the pool cannot hold is refused" in str(info.value)) == (
+        "allocate_slots",
+        True,
+    )
+
+
+def test_an_allocation_granted_beyond_the_pool_is_accepted_beyond_capacity():
+    from types import SimpleNamespace
+
+    from kvprop.check import decisions
+
+    with pytest.raises(Violation) as info:  # needs 5 blocks, 2 free, none freed: granted all the same
+        decisions.allocation_decision(SimpleNamespace(request_id="r0"), (5, 5, 2, 0), accepted=True)
     assert info.value.kind == "accepted-beyond-capacity"
 
 

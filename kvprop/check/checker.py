@@ -187,10 +187,13 @@ class Checker(Hooks):
                 self.check_structure(engine, {request.request_id: computed}, admitted, in_step=True)
         decisions.allocation_decision(request, bounds, result is not None)
 
-    def allocation_crashed(self, engine, request, token) -> None:
-        """An allocation the pool cannot hold must be refused, not attempted until it runs out."""
-        if self.enabled:
-            decisions.allocation_decision(request, token[0], accepted=True)
+    def allocation_crashed(self, engine, request, token) -> str | None:
+        """The raise stays the target's crash, with its exception; where the pool could not hold
+        the allocation, the crash says so: such an allocation is refused, not attempted until the
+        pool runs out."""
+        if not self.enabled:
+            return None
+        return decisions.crash_beyond_capacity(token[0])
 
     def after_hit(self, engine, request, hits, num_hit: int) -> None:
         if self.enabled:

@@ -140,6 +140,18 @@ def allocation_decision(request, bounds, accepted: bool) -> None:
         )
 
 
+def crash_beyond_capacity(bounds) -> str | None:
+    """What an allocation that raised broke, where the pool could not hold it (invariant 10's
+    rule: refused, by returning None), or None where it could."""
+    generous, _, free, freed = bounds
+    if generous <= free + freed:
+        return None
+    return (
+        f"it needed at least {generous} blocks with {free} free and {freed} freed by its window: "
+        "an allocation the pool cannot hold is refused (allocate_slots returns None), not raised"
+    )
+
+
 def _group_hit(spec, cached, group: int, hashes, max_length: int, units=None, unit: int = 0, drop=False) -> int:
     """Hit tokens group ``group`` allows within ``max_length`` tokens (kvprop's spec rules).
     ``units``/``unit``: the request's per-unit hashes and the unit, when hits may end inside a

@@ -212,6 +212,8 @@ def _hypothesis_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: 
             if not machine.failures:
                 if stop.is_set() or _orphaned(parent) or stopping[0]:
                     break  # Hypothesis may wrap the _Stop that ended the run
+                if not isinstance(e, Exception):
+                    raise  # the target's own BaseException, escaped from building it: its crash (_worker)
                 out.put(("crash", f"worker {index}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
                 return
             log = _copy_log(files, index, i)
@@ -257,11 +259,11 @@ def _worker(index, opts, out, stop, limit, parent, first, files):
     except (TargetError, ConfigError) as e:  # the target cannot be used (or a value of it is wrong)
         out.put(("target-error", str(e)))
         out.put(("exit", index))
-    except (SystemExit, KeyboardInterrupt) as e:  # escaped target code: the worker ends as it asked
-        sv.escaped(e)
-    except BaseException as e:  # noqa: BLE001 - report, never hang the parent
+    except Exception as e:  # noqa: BLE001 - an error of kvprop itself: report, never hang the parent
         out.put(("crash", f"worker {index}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
         out.put(("exit", index))
+    except BaseException as e:  # noqa: BLE001 - escaped target code (kvprop's own _Stop never leaves its loop)
+        sv.escaped(e)
 
 
 # ---- the parent ---------------------------------------------------------------------------
@@ -317,12 +319,13 @@ def _search(opts: FuzzOptions, status, on_find, start: float, store, seen: int, 
     out, stop, limit = ctx.Queue(), ctx.Event(), ctx.Value("q", NO_LIMIT)
     parent = os.getpid()
     workers: dict = {}
+    spawned: dict[int, float] = {}
 
     def spawn(index: int, first: int) -> None:
         (files / f"w{index}.journal").unlink(missing_ok=True)
         p = ctx.Process(target=_worker, args=(index, opts, out, stop, limit, parent, first, files), daemon=True)
         p.start()
-        p.spawned = time.time()  # type: ignore[attr-defined]  # its start-up is held to sv.START_GRACE
+        spawned[index] = time.time()  # its start-up is held to sv.START_GRACE
         workers[index] = p
 
     for i in range(opts.workers):
@@ -348,7 +351,7 @@ def _search(opts: FuzzOptions, status, on_find, start: float, store, seen: int, 
                 msg = None
             if msg is not None:
                 tally.absorb(msg, time.monotonic() - start)
-            _judge_workers(opts, workers, tally, files, out, spawn, time.monotonic() - start)
+            _judge_workers(opts, workers, spawned, tally, files, out, spawn, time.monotonic() - start)
             if tally.found:
                 with limit.get_lock():
                     limit.value = min(limit.value, tally.best[0])
@@ -406,7 +409,9 @@ def _unjudged(workers: dict, tally) -> bool:
     return any(not p.is_alive() and index not in tally.exited for index, p in workers.items())
 
 
-def _judge_workers(opts: FuzzOptions, workers: dict, tally, files: Path, out, spawn, elapsed: float) -> None:
+def _judge_workers(
+    opts: FuzzOptions, workers: dict, spawned: dict, tally, files: Path, out, spawn, elapsed: float
+) -> None:
     """A worker that died without saying ``exit``, or whose journal went unwritten past the call
     timeout, is a find: its run up to the operation it was in. A walk worker whose death is of
     a known kind goes on from the next walk."""
@@ -416,7 +421,7 @@ def _judge_workers(opts: FuzzOptions, workers: dict, tally, files: Path, out, sp
             continue
         hung = None
         if p.is_alive():
-            idle, grace = sv.idle_for(files / f"w{index}.journal", p.spawned, now)
+            idle, grace = sv.idle_for(files / f"w{index}.journal", spawned[index], now)
             if idle <= (grace or opts.call_timeout):
                 continue
             p.kill()

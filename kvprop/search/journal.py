@@ -9,11 +9,14 @@ operation that killed it, and judges the death as a find of its own
 (``supervisor.age``): every operation writes a line.
 
 Lines are plain text to cost a few microseconds an operation: ``run <json: the walk's index
-and the trace format's header>``, ``built``, ``op <Name> <arg> <arg> ...``, ``drain``.
+and the trace format's header>``, ``built``, ``op <Name> <arg> <arg> ...``, ``drain``, and
+``raised <json: exception type and message>`` when a target's own ``BaseException`` subclass
+(as ``asyncio.CancelledError`` is) escapes and ends the worker.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -26,13 +29,17 @@ if TYPE_CHECKING:
 
 PHASES = ("build", "operation", "drain")
 
+current: Journal | None = None  # the worker's journal: a worker writes one
+
 
 class Journal:
     """The worker's side: one file, rewritten from the start at every run."""
 
     def __init__(self, path: Path):
+        global current
         self.path = Path(path)
         self.file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - lives as long as the worker
+        current = self
 
     def begin(self, trace: Trace, index: int | None = None) -> None:
         """A new run: ``trace`` (its steps and failure left out) says what it runs, in the trace
@@ -59,6 +66,11 @@ class Journal:
         self.file.write("drain\n")
         self.file.flush()
 
+    def raised(self, error: BaseException) -> None:
+        """The exception that is about to end the worker, for the parent's judgement to name."""
+        self.file.write(f"raised {json.dumps([type(error).__name__, str(error)[:500]])}\n")
+        self.file.flush()
+
     def beat(self) -> None:
         """Progress inside one operation (each engine step of the drain): the heartbeat only."""
         os.utime(self.file.fileno())
@@ -71,6 +83,7 @@ class Journalled:
     trace: Trace
     phase: str  # one of PHASES
     index: int | None
+    raised: tuple[str, str] | None = None  # (type, message) of what ended the worker, if it said
 
     @property
     def step(self) -> int:
@@ -95,10 +108,14 @@ def read(path: Path) -> Journalled | None:
         header = json.loads(lines[0][4:])
     except ValueError:
         return None
-    phase, steps = "build", []  # type: tuple[str, list]
+    phase, steps, raised = "build", [], None  # type: tuple[str, list, tuple[str, str] | None]
     for line in lines[1:]:
         word, _, rest = line.partition(" ")
-        if word == "built":
+        if word == "raised":
+            with contextlib.suppress(ValueError, TypeError):
+                name, message = json.loads(rest)
+                raised = (str(name), str(message))
+        elif word == "built":
             phase = "built"
         elif word == "op":
             name, *args = rest.split()
@@ -108,4 +125,4 @@ def read(path: Path) -> Journalled | None:
             phase = "drain"
     if phase == "built":  # built, then died before the first operation: nothing ran but the drain would
         phase = "drain"
-    return Journalled(from_dict({**header["trace"], "steps": steps}), phase, header["index"])
+    return Journalled(from_dict({**header["trace"], "steps": steps}), phase, header["index"], raised)

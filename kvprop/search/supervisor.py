@@ -91,6 +91,15 @@ def judge(journal_path: Path, exitcode: int | None = None, hung: float | None = 
             "target-hang",
             "hang",
         )
+    elif run.raised is not None:
+        name, message = run.raised
+        failure = Failure(
+            run.step,
+            "target-crash",
+            f"target-crash: the target raised {name} {where}, a BaseException that ends the worker: {message}",
+            "target-crash",
+            name,
+        )
     else:
         failure = Failure(
             run.step,
@@ -223,15 +232,29 @@ def restart_log() -> None:
         os.ftruncate(1, 0)
 
 
+ESCAPED_STATUS = 70  # a target's own BaseException ended the worker (named in its journal)
+
+
 def escaped(error: BaseException) -> None:
-    """``SystemExit`` or ``KeyboardInterrupt`` escaped target code (its import or factory, or
-    an engine call kvprop does not wrap): end the worker as the target asked, for the parent to judge."""
+    """A ``BaseException`` that is not an ``Exception`` escaped target code (its import or
+    factory, or an engine call kvprop does not wrap): kvprop raises none of its own in a worker,
+    so it is the target's. ``SystemExit`` and ``KeyboardInterrupt`` end the worker as the target
+    asked; any other (``asyncio.CancelledError``, a test framework's outcome) is written to the
+    journal first, so that the parent's judgement names it. Either way the death is the target's
+    crash, judged by the parent."""
+    from kvprop.search import journal as jn
+
     sys.stdout.flush()
     sys.stderr.flush()
     if isinstance(error, SystemExit):
         code = error.code
         os._exit(code if isinstance(code, int) and 0 <= code < 256 else 1)
-    os._exit(128 + signal.SIGINT)
+    if isinstance(error, KeyboardInterrupt):
+        os._exit(128 + signal.SIGINT)
+    if jn.current is not None:
+        with contextlib.suppress(OSError, ValueError):
+            jn.current.raised(error)
+    os._exit(ESCAPED_STATUS)
 
 
 def copy_log(log_path: Path, out: Path, name: str) -> Path | None:
@@ -300,13 +323,13 @@ def _serve(conn, target, variant, device, journal_path: Path, log_path: Path, pa
                 conn.send(("ok", (attrs.asdict(failure) if failure else None, tuple(lines), frozenset(events))))
             except KvpropError as e:  # the target unusable, a configuration refused, a bad trace: raised there
                 conn.send(("error", _portable(e)))
-            except (SystemExit, KeyboardInterrupt) as e:
-                escaped(e)
             except Exception as e:  # noqa: BLE001 - an error of kvprop itself, reported to the parent
                 import traceback
 
                 conn.send(("internal", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    except (SystemExit, KeyboardInterrupt) as e:
+            except BaseException as e:  # noqa: BLE001 - the target's: kvprop raises none in a worker
+                escaped(e)
+    except BaseException as e:  # noqa: BLE001 - as above
         escaped(e)
 
 

@@ -16,8 +16,10 @@ class Hooks:
     def before_allocation(self, engine, request, num_new_tokens: int, kwargs: dict):
         return None
 
-    def allocation_crashed(self, engine, request, token) -> None:
-        """allocate_slots raised (the TargetCrash propagates after this returns)."""
+    def allocation_crashed(self, engine, request, token) -> str | None:
+        """allocate_slots raised (the TargetCrash propagates after this returns): a sentence the
+        crash's message carries, saying which rule the raise broke, or None."""
+        return None
 
     def after_hit(self, engine, request, hits, num_hit: int) -> None:
         """get_computed_blocks answered ``request`` at admission."""

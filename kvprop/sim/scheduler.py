@@ -264,9 +264,12 @@ class Scheduler(ChunkRules, LoadRoom):
         held = self._table_lengths(request) if self.connector is not None and self.connector.unread else None
         try:
             result = self.target_calls.allocate_slots(request, num_new_tokens, **kwargs)
-        except TargetCrash:
-            self.hooks.allocation_crashed(self, request, token)
-            raise
+        except TargetCrash as crash:
+            note = self.hooks.allocation_crashed(self, request, token)
+            if note is None:
+                raise
+            crash.error.add_note(note)
+            raise TargetCrash(crash.call, crash.error) from crash.error
         if result is not None and held is not None:
             view, rid = self.view, request.request_id
             self._flush_saves(

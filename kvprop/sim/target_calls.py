@@ -6,9 +6,11 @@ raised on the far side is the target's own crash — a finding (``TargetCrash``,
 which is never a finding.
 A ``Violation`` raised by a check the target calls back into passes through unchanged.
 
-``SystemExit`` raised by the target is its crash too. ``KeyboardInterrupt`` is only in a
-supervised worker (``supervised``), where Ctrl-C is ignored and so can only be raised by
-target code; in kvprop's own process it is the user's Ctrl-C.
+``SystemExit`` raised by the target is its crash too. Every other ``BaseException``
+(``KeyboardInterrupt``, ``asyncio.CancelledError``, a test framework's outcome) is only in a
+supervised worker (``supervised``), where Ctrl-C is ignored and kvprop raises none of its own,
+so it can only come from target code; in kvprop's own process a ``KeyboardInterrupt`` is the
+user's Ctrl-C.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ TARGET_ERRORS: tuple = (Exception, SystemExit)
 
 
 def supervised() -> None:
-    """This process is a supervised worker: a ``KeyboardInterrupt`` from the target is its crash."""
+    """This process is a supervised worker: whatever the target raises is its crash."""
     global TARGET_ERRORS
-    TARGET_ERRORS = (Exception, SystemExit, KeyboardInterrupt)
+    TARGET_ERRORS = (BaseException,)
 
 
 class TargetCalls:

@@ -99,8 +99,10 @@ class SchedulerEngine(OwnLoopCalls, OffloadWorker, Engine):
             request, seen, token = self._hook(self._before_allocation, vreq, num_new_tokens, kwargs)
             try:
                 result = self.allocator.counting_evictions(real_allocate, vreq, num_new_tokens, **kwargs)
-            except Exception:
-                self._hook(self.hooks.allocation_crashed, self, request, token)
+            except Exception as e:
+                note = self._hook(self.hooks.allocation_crashed, self, request, token)
+                if note is not None:
+                    e.add_note(note)
                 raise
             self._hook(self._after_allocation, request, seen, token, result)
             return result
