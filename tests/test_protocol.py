@@ -19,6 +19,8 @@ from kvprop.allocator.view import AllocatorView
 from kvprop.capabilities import ANY_SHAPE, EVERY, NONE, Capabilities, Shapes
 from kvprop.errors import ConfigError
 from kvprop.search.alphabet import RandomChooser, sample_config
+from kvprop.search.walk import run_walk
+from kvprop.search.walk import start as walk_start
 from kvprop.targets import build_engine, check_built
 from kvprop.targets.kvprop import make_allocator
 from kvprop.targets.protocol import REGISTRY, VLLM_CAPABILITIES, Built, CompletedView, check_declared
@@ -86,6 +88,47 @@ def test_an_engine_over_a_plain_pair_makes_no_optional_call():
 def test_an_engine_over_kvprops_allocator_makes_every_optional_call():
     engine = build_engine(CONFIG)
     assert (engine.capabilities, engine.tells_steps, engine.copies_blocks) == (EVERY, True, True)
+
+
+# hits inside a block: a hash unit below the block size, full attention beside a state group
+PARTIAL_HITS = EngineConfig(AllocatorConfig((FullAttention(4), Mamba(4)), 16, hash_unit=2))
+PLAIN = "tests.example_target:make_plain_target"
+
+
+def undeclared(config: EngineConfig, target: str) -> str:
+    """The capabilities a refusal of ``config`` on ``target`` names as undeclared."""
+    with pytest.raises(ConfigError) as refused:
+        build_engine(config, target=target)
+    return re.search(r"does not declare ([a-z_, ]+), which this configuration needs", str(refused.value)).group(1)
+
+
+def test_a_plain_pair_on_a_state_group_with_caching_is_refused_naming_step_notice():
+    config = EngineConfig(AllocatorConfig((FullAttention(4), Mamba(4)), 16))
+    assert undeclared(config, PLAIN) == "step_notice"
+
+
+def test_a_plain_pair_on_hits_inside_a_block_is_refused_naming_each_capability_they_need():
+    assert undeclared(PARTIAL_HITS, PLAIN) == "step_notice, block_copies, keys_inside_blocks, pending_copies"
+
+
+def test_a_refusal_for_an_undeclared_capability_says_how_to_declare_it():
+    config = EngineConfig(AllocatorConfig((FullAttention(4), Mamba(4)), 16))
+    with pytest.raises(ConfigError, match=re.escape("Built(allocator, view, Capabilities(step_notice=True))")):
+        build_engine(config, target=PLAIN)
+
+
+def test_a_target_declaring_the_capabilities_builds_hits_inside_a_block():
+    engine = build_engine(PARTIAL_HITS, target="tests.example_target:make_target")
+    assert (engine.tells_steps, engine.copies_blocks) == (True, True)
+
+
+def test_a_walk_on_a_plain_pair_counts_a_shape_needing_a_capability_as_refused():
+    def caches_states(seed):
+        config = walk_start(seed).config.allocator
+        return config.enable_caching and any(isinstance(g, Mamba) for g in config.groups)
+
+    result = run_walk(next(s for s in range(100) if caches_states(s)), target=PLAIN)
+    assert (result.steps_run, result.failure, "step_notice" in (result.refused or "")) == (0, None, True)
 
 
 def draws(shapes: Shapes, n: int = 1000) -> list[EngineConfig]:

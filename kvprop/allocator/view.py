@@ -6,6 +6,9 @@ kvprop's own allocator, its bug variants and an external allocator such as vLLM'
 
 from __future__ import annotations
 
+from collections.abc import Iterator, KeysView
+
+from kvprop.allocator.block_pool import CacheKey
 from kvprop.allocator.kv_cache_manager import KVCacheManager
 
 
@@ -43,17 +46,17 @@ class AllocatorView:
     def ref_cnts(self) -> list[int]:
         return [b.ref_cnt for b in self.pool.blocks]
 
-    def cache_key(self, block_id: int):
+    def cache_key(self, block_id: int) -> CacheKey | None:
         return self.pool.blocks[block_id].key
 
-    def cache_keys(self) -> list:
+    def cache_keys(self) -> list[CacheKey | None]:
         return [b.key for b in self.pool.blocks]
 
-    def extra_keys(self) -> dict:
+    def extra_keys(self) -> dict[int, list[CacheKey]]:
         """Block id -> its further keys beyond ``cache_key``, for blocks that have any."""
         return {b: sorted(keys, key=repr) for b, keys in self.pool.extra_keys.items() if keys}
 
-    def further_keys(self, block_id: int) -> list:
+    def further_keys(self, block_id: int) -> list[CacheKey]:
         """The keys of ``block_id`` beyond ``cache_key`` (at hash-unit boundaries inside it)."""
         keys = self.pool.extra_keys.get(block_id)
         return sorted(keys, key=repr) if keys else []
@@ -87,7 +90,7 @@ class AllocatorView:
         """Whether some block is cached under ``key`` (the hit oracle asks this per block)."""
         return bool(self.pool.cached.get(key))
 
-    def cache_map_items(self):
+    def cache_map_items(self) -> Iterator[tuple[CacheKey, int]]:
         for key, entry in self.pool.cached.items():
             for block_id in entry:
                 yield key, block_id
@@ -96,14 +99,14 @@ class AllocatorView:
         """How many blocks the cache map holds under ``key`` (the event check compares keys that moved)."""
         return len(self.pool.cached.get(key, ()))
 
-    def request_ids(self, group: int):
+    def request_ids(self, group: int) -> KeysView[str]:
         return self.managers[group].req_to_blocks.keys()
 
-    def request_block_ids(self, group: int, request_id: str):
+    def request_block_ids(self, group: int, request_id: str) -> list[int] | None:
         table = self.managers[group].req_to_blocks.get(request_id)
         return None if table is None else [b.block_id for b in table]
 
-    def num_cached_blocks(self, group: int, request_id: str):
+    def num_cached_blocks(self, group: int, request_id: str) -> int | None:
         return self.managers[group].num_cached_block.get(request_id)
 
     def records_of(self, request_id: str) -> list[str]:

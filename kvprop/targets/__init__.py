@@ -17,22 +17,26 @@ import functools
 import importlib
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import attrs
 
 from kvprop.capabilities import NONE, Capabilities, Shapes
 from kvprop.errors import ConfigError, TargetError
-from kvprop.sim.engine import Engine
 from kvprop.targets.protocol import (
     NAMES,
     REGISTRY,
     Built,
     Target,
     check_declared,
+    check_needed,
     complete_view,
     is_builtin,
     resolve,
 )
+
+if TYPE_CHECKING:
+    from kvprop.sim.engine import Engine  # imported where an engine is built: naming a target loads no torch
 
 __all__ = ["NAMES", "REGISTRY", "build_engine", "check_name", "is_builtin", "load_factory", "load_target", "shapes_of"]
 
@@ -135,6 +139,7 @@ def _call_factory(target: str, factory, *args, **kwargs):
 def build_engine(config, variant=None, target=None, device=None, hooks=None, canary: bool = False) -> Engine:
     """The engine over ``target``'s allocator (kvprop's own, with ``variant``, by default); with
     ``canary`` the engine carries the canary fault (``kvprop.targets.canary``)."""
+    from kvprop.sim.engine import Engine
     from kvprop.targets.canary import with_canary
 
     described = load_target(target)
@@ -150,11 +155,7 @@ def build_engine(config, variant=None, target=None, device=None, hooks=None, can
     if described.own_scheduler:  # it builds the whole engine, its own scheduler in charge
         return _call_factory(target, factory, config, device=device, hooks=hooks, canary=canary)
     built = check_built(target, _call_factory(target, factory, config.allocator), described.capabilities)
-    if config.allocator.enable_kv_cache_events and not built.capabilities.kv_events:
-        raise ConfigError(
-            f"target {target!r}: the configuration enables KV cache events, but the target does not declare "
-            f"kv_events (take_events(), docs/targets.md); it can run only with enable_kv_cache_events=False"
-        )
+    check_needed(target, built.capabilities, config.allocator)
     engine_cls = with_canary(Engine) if canary else Engine
     view = complete_view(built.view, built.capabilities)
     return engine_cls(config, built.allocator, view, device=device, hooks=hooks, capabilities=built.capabilities)

@@ -14,26 +14,54 @@ and kvprop makes a capability's calls only when it is declared.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
 
+from kvprop.allocator.specs import AllocatorConfig, Mamba
 from kvprop.capabilities import ANY_SHAPE, EVERY, NONE, Capabilities, Shapes
 from kvprop.errors import ConfigError
 from kvprop.sim.events import EV_EVICT, EV_PREEMPT, EV_REHIT, EVENTS
 
-__all__ = ["ANY_SHAPE", "EVERY", "NONE", "Allocator", "Built", "Capabilities", "Shapes", "Target", "View"]
+__all__ = [
+    "ANY_SHAPE",
+    "EVERY",
+    "NONE",
+    "Allocator",
+    "Built",
+    "CacheKey",
+    "Capabilities",
+    "Shapes",
+    "Target",
+    "View",
+]
 
 # ---- the required calls ------------------------------------------------------------------
 
 
+# A cache key in kvprop's terms: (kvprop block hash, group id) (docs/targets.md, "The view").
+CacheKey = tuple[Any, int]
+
+
 @runtime_checkable
 class Allocator(Protocol):
-    """The manager-facade calls kvprop's engine makes, as vLLM's scheduler makes them."""
+    """The manager-facade calls kvprop's engine makes, as vLLM's scheduler makes them. The engine
+    passes every argument of ``allocate_slots`` after ``num_new_tokens`` by keyword."""
 
-    def get_computed_blocks(self, request: Any) -> tuple[Any, int]: ...
+    def get_computed_blocks(self, request: Any) -> tuple[Any, int] | tuple[Any, int, int]: ...
 
-    def allocate_slots(self, request: Any, num_new_tokens: int, **kwargs: Any) -> Any: ...
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        *,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Any = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+    ) -> Any: ...
 
     def free(self, request: Any) -> None: ...
 
@@ -41,12 +69,13 @@ class Allocator(Protocol):
 
     def reset_prefix_cache(self) -> bool: ...
 
-    def get_block_ids(self, request_id: str) -> Any: ...
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]: ...
 
 
 @runtime_checkable
 class View(Protocol):
-    """The allocator's state in kvprop's terms, read by the invariants."""
+    """The allocator's state in kvprop's terms, read by the invariants; each call's type is the
+    one the reference view (``kvprop.allocator.view.AllocatorView``) returns."""
 
     num_blocks: int
     block_size: int
@@ -58,25 +87,25 @@ class View(Protocol):
 
     def ref_cnt(self, block_id: int) -> int: ...
 
-    def ref_cnts(self) -> list[int]: ...
+    def ref_cnts(self) -> list[int]: ...  # indexed by block id
 
-    def cache_key(self, block_id: int) -> Any: ...
+    def cache_key(self, block_id: int) -> CacheKey | None: ...
 
-    def cache_keys(self) -> dict: ...
+    def cache_keys(self) -> list[CacheKey | None]: ...  # indexed by block id
 
-    def free_queue_ids(self) -> list[int]: ...
+    def free_queue_ids(self) -> list[int]: ...  # the head (evicted next) first
 
-    def free_queue_ids_backward(self) -> list[int]: ...
+    def free_queue_ids_backward(self) -> list[int]: ...  # the tail first
 
     def free_queue_prefix(self, n: int) -> list[int]: ...
 
-    def cache_map_items(self) -> list: ...
+    def cache_map_items(self) -> Iterable[tuple[CacheKey, int]]: ...  # (key, block id), one per map entry
 
-    def request_ids(self, group: int) -> Any: ...
+    def request_ids(self, group: int) -> Iterable[str]: ...
 
-    def request_block_ids(self, group: int, request_id: str) -> list[int]: ...
+    def request_block_ids(self, group: int, request_id: str) -> list[int] | None: ...  # None: no table
 
-    def num_cached_blocks(self, group: int, request_id: str) -> int: ...
+    def num_cached_blocks(self, group: int, request_id: str) -> int | None: ...  # None: no table
 
 
 ALLOCATOR_CALLS: tuple[str, ...] = (
@@ -101,6 +130,13 @@ VIEW_CALLS: tuple[str, ...] = (
     "num_cached_blocks",
 )
 VIEW_FIELDS: tuple[str, ...] = ("num_blocks", "block_size", "num_groups", "null_block_id", "num_free_blocks")
+
+if TYPE_CHECKING:  # mypy holds kvprop's own allocator and the reference view to the Protocols above
+    from kvprop.allocator.kv_cache_manager import KVCacheManager
+    from kvprop.allocator.view import AllocatorView
+
+    def _reference(allocator: KVCacheManager, view: AllocatorView) -> tuple[Allocator, View]:
+        return allocator, view
 
 
 # ---- what a target may declare: kvprop.capabilities (the engine reads it too) ---------
@@ -144,6 +180,56 @@ def check_declared(target: str, built: Built) -> Built:
                 f"({type(obj).__name__}) lacks {missing}"
             )
     return built
+
+
+# The Shapes field that leaves out the configurations needing each capability (check_needed).
+SHAPE_WITHOUT = {
+    "kv_events": "kv_events=False",
+    "step_notice": 'group_kinds without "mamba"',
+    "block_copies": "hits_inside_blocks=False",
+    "keys_inside_blocks": "hits_inside_blocks=False",
+    "pending_copies": "hits_inside_blocks=False",
+}
+
+
+def needed(config: AllocatorConfig) -> dict[str, str]:
+    """The capabilities a configuration needs its target to declare, each with why: on that
+    shape the engine makes their calls and the checks read their reports, and a correct
+    allocator run without them fails there (its view completed with empty reports)."""
+    needs = {}
+    if config.enable_kv_cache_events:
+        needs["kv_events"] = "enable_kv_cache_events=True: the checks replay take_events()"
+    if config.enable_caching and any(isinstance(spec, Mamba) for spec in config.groups):
+        needs["step_notice"] = (
+            "a Mamba group with prefix caching: a hit on a state cached in the current step waits for "
+            "the next step, which new_step_starts() announces"
+        )
+    if config.partial_hits:
+        below = "a hash_unit below the block size"  # the same words for every such shape, counted as one reason
+        needs["block_copies"] = f"{below}: a hit inside a block queues a copy, taken by take_kv_cache_block_copies()"
+        needs["keys_inside_blocks"] = (
+            f"{below}: a block is cached under keys inside it, read by extra_keys() and further_keys()"
+        )
+        needs["pending_copies"] = f"{below}: a queued copy holds a reference on both blocks, read by pending_copies()"
+    return needs
+
+
+def check_needed(target: str, declared: Capabilities, config: AllocatorConfig) -> None:
+    """A ConfigError (the configuration refused, and counted so) where ``config`` needs a
+    capability ``target`` does not declare, naming each and how to declare it."""
+    offered = declared.declared()
+    missing = {name: why for name, why in needed(config).items() if name not in offered}
+    if not missing:
+        return
+    flags = ", ".join(f"{name}=True" for name in missing)
+    shapes = ", ".join(dict.fromkeys(SHAPE_WITHOUT[name] for name in missing))
+    raise ConfigError(
+        f"target {target!r} does not declare {', '.join(missing)}, which this configuration needs: "
+        f"{'; '.join(f'{name} ({why})' for name, why in missing.items())}. Where its allocator and view "
+        f"offer those calls, declare them: the factory returns Built(allocator, view, Capabilities({flags})), "
+        f"or a Target(..., capabilities=Capabilities({flags})) names it; otherwise leave such configurations "
+        f"out of the Target's Shapes ({shapes}); docs/targets.md"
+    )
 
 
 class CompletedView:
