@@ -215,13 +215,42 @@ def test_release_rules_name_what_each_release_lacks_and_its_known_bugs(release, 
     assert as_flags(release_rules(release)) == flags
 
 
+# ---- start-up -----------------------------------------------------------------------------
+
+# What a command that runs nothing must not import: each costs seconds (torch, Hypothesis) or
+# stands for running something (an engine, a target's package).
+HEAVY = ("torch", "hypothesis", "kvprop.sim.engine", "vllm", "sglang")
+
+
+def imported(stderr: str) -> set[str]:
+    """The modules ``-X importtime`` says a process imported: each line ends ``| name``."""
+    return {line.rsplit("|", 1)[1].strip() for line in stderr.splitlines() if line.startswith("import time:")}
+
+
+@pytest.mark.parametrize(
+    ("args", "status"),
+    [
+        (("--help",), 0),
+        (("--version",), 0),
+        (("replay", "--help"), 0),
+        (("targets",), 0),
+        (("fuzz", "--seconds", "-1"), 2),
+    ],
+    ids=["help", "version", "command-help", "targets", "argument-error"],
+)
+def test_a_command_that_runs_nothing_imports_neither_torch_nor_hypothesis_nor_an_engine(args, status):
+    r = kvprop(*args, cwd=ROOT, env={"PYTHONPROFILEIMPORTTIME": "1"})
+    assert (r.returncode, sorted(imported(r.stderr) & set(HEAVY))) == (status, []), r.stderr[-2000:]
+
+
 # ---- bench --------------------------------------------------------------------------------
 
 
 def test_bench_with_an_unknown_part_exits_2_and_lists_the_parts():
     r = kvprop("bench", "nosuch", cwd=ROOT)
     says = (
-        "invalid part 'nosuch' (choose from throughput, supervision, scaling, time_to_find, vllm, sglang, ray, targets)"
+        "invalid part 'nosuch' (choose from startup, throughput, supervision, scaling, time_to_find, vllm, sglang, "
+        "ray, targets)"
     )
     assert (r.returncode, says in r.stderr, "Traceback" in r.stderr) == (2, True, False), r.stderr
 

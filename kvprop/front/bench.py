@@ -1,4 +1,4 @@
-"""``kvprop bench``: throughput, scaling and time-to-find, both drivers side by side.
+"""``kvprop bench``: start-up, throughput, scaling and time-to-find, both drivers side by side.
 
 Figures are wall-clock on whatever machine runs them; compare ratios measured in one run.
 Nothing here is asserted: the targets part states each speed target beside the measured value.
@@ -25,7 +25,8 @@ from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_a
 from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, Mamba, SlidingWindow
 from kvprop.check.checker import Checker
 from kvprop.errors import ConfigError
-from kvprop.front import bench_doc
+from kvprop.front import bench_doc, startup_bench
+from kvprop.front.choices import DEFAULT_PARTS, PARTS  # noqa: F401 - PARTS still importable from here
 from kvprop.repro.minimise import minimise
 from kvprop.search import DRIVERS, fuzz, profiles
 from kvprop.search.machine import machine_for, trace_length
@@ -84,6 +85,11 @@ def _trivial_rate(examples: int) -> tuple[float, int]:
 def _progress(text: str) -> None:
     """Each measurement announces itself on stderr: a benchmark is never silent for long."""
     print(f"  measuring {text} ...", file=sys.stderr, flush=True)
+
+
+def startup(quick: bool) -> list[dict]:
+    """Seconds of commands that run nothing, each a fresh process (``kvprop.front.startup_bench``)."""
+    return startup_bench.rows(quick, _progress)
 
 
 def throughput(quick: bool) -> list[dict]:
@@ -432,11 +438,6 @@ def with_baseline(rows: list[dict], baseline: dict) -> list[dict]:
     return [{"measure": r["measure"], "before": baseline.get(r["measure"], "not measured"), **r} for r in rows]
 
 
-PARTS = ("throughput", "supervision", "scaling", "time_to_find", "vllm", "sglang", "ray", "targets")
-# vllm and sglang need their engine's environment, ray the ray extra (kvprop.front.ray_bench)
-DEFAULT_PARTS = tuple(part for part in PARTS if part not in ("vllm", "sglang", "ray"))
-
-
 def ray(quick: bool) -> list[dict]:
     from kvprop.front import ray_bench
 
@@ -451,6 +452,7 @@ def main(
     markdown: str | None = None,
 ) -> int:
     funcs = {
+        "startup": startup,
         "throughput": throughput,
         "supervision": supervision,
         "scaling": scaling,

@@ -24,12 +24,8 @@ import attrs
 
 from kvprop.errors import ConfigError
 from kvprop.exits import EXIT_CLEAN, EXIT_FOUND, EXIT_INTERNAL
+from kvprop.front.choices import ENGINE_TARGETS, ENGINES  # the engines with environments, their targets
 from kvprop.targets.protocol import REGISTRY
-
-# The engines whose releases have environments: package -> (its name, the make target that builds one)
-ENGINES = {"vllm": ("vLLM", "vllm-env VLLM_VERSION"), "sglang": ("SGLang", "sglang-env SGLANG_VERSION")}
-# The targets that drive an engine's own code, whose finds bisect replays
-ENGINE_TARGETS = tuple(name for name, t in REGISTRY.items() if t.package in ENGINES)
 
 VERSION = r"\d+\.\d+(?:\.\d+)?"
 RANGE = re.compile(rf"^({VERSION})\.\.({VERSION})$")

@@ -8,6 +8,7 @@ reproduced, 2 unusable input or configuration (the message says what and what is
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 import sys
@@ -17,6 +18,7 @@ import traceback
 from kvprop import __version__, interrupt
 from kvprop.errors import KvpropError
 from kvprop.exits import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE
+from kvprop.front import choices  # the choices below, without the modules that run the commands
 from kvprop.search import CALL_TIMEOUT, DRIVERS, RAY_BATCH  # imports nothing else: the CLI measures what it runs
 
 MAX_OPS = 10_000
@@ -112,17 +114,19 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
     pass
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from kvprop.front import bisect
-    from kvprop.front import commands as c
-    from kvprop.front import fuzz_command as fc
+# Where each command's function is, as "module:function": imported in ``main`` once the command
+# line parsed, so that help, the version and argument errors import no command's module.
+COMMANDS = "kvprop.front.commands"
+FUZZ = "kvprop.front.fuzz_command"
 
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvprop", description=__doc__.split("\n")[0], formatter_class=_Formatter)
     p.add_argument("--version", action="version", version=f"kvprop {__version__}")
     p.add_argument("--debug", action="store_true", help="show the traceback of an internal error")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name, func, help_text):
+    def command(name, func: str, help_text):
         sp = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_Formatter)
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         sp.set_defaults(func=func)
@@ -157,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present, else cpu)")
         call_timeout_arg(sp, during=" (importing, building, one operation)")
 
-    f = command("fuzz", fc.cmd_fuzz, "search for a violation until the budget ends (exit 1 found, 0 clean)")
+    f = command("fuzz", f"{FUZZ}:cmd_fuzz", "search for a violation until the budget ends (exit 1 found, 0 clean)")
     f.add_argument("--seconds", type=seconds, default=60.0, help="time budget, counted from the command's start")
     f.add_argument("--workers", type=workers, default=cores(), help="worker processes (the default is the cores)")
     f.add_argument(
@@ -222,16 +226,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     target_args(f)
 
-    r = command("replay", c.cmd_replay, "re-execute a trace step by step (exit 1 reproduces, 0 passes, 2 bad file)")
+    r = command(
+        "replay", f"{COMMANDS}:cmd_replay", "re-execute a trace step by step (exit 1 reproduces, 0 passes, 2 bad file)"
+    )
     r.add_argument("file")
     target_args(r, "replay on this variant instead of the recorded one ('correct' for the fixed allocator)")
 
-    m = command("minimise", c.cmd_minimise, "minimise an existing trace (exit 1: still fails, written)")
+    m = command("minimise", f"{COMMANDS}:cmd_minimise", "minimise an existing trace (exit 1: still fails, written)")
     m.add_argument("file")
     m.add_argument("--out", default=None, help="where to write (default: overwrite FILE)")
     target_args(m)
 
-    e = command("emit-test", c.cmd_emit_test, "write the standalone pytest regression test for a trace")
+    e = command("emit-test", f"{COMMANDS}:cmd_emit_test", "write the standalone pytest regression test for a trace")
     e.add_argument("file")
     e.add_argument("--out", default=None, help="test file to write (default: test_<name>.py beside FILE)")
     e.add_argument(
@@ -240,22 +246,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="the target the test replays on (default: the trace's, if it is one of kvprop's own)",
     )
 
-    from kvprop.front import report
-
     rp = command(
         "report",
-        report.cmd_report,
+        "kvprop.front.report:cmd_report",
         "write a find on a vLLM target as a reproducer needing only vLLM (exit 0 written, 2 cannot, "
         "1 vLLM died or hung replaying it)",
     )
     rp.add_argument("file")
     rp.add_argument(
-        "--target", default=None, choices=report.REPORTED, help="the target to replay on (default: the trace's)"
+        "--target", default=None, choices=choices.REPORTED, help="the target to replay on (default: the trace's)"
     )
     rp.add_argument("--out", default=None, help="folder for repro.py and REPORT.md (default: FILE's name + .report)")
     call_timeout_arg(rp, "vLLM", " while the trace is replayed")
 
-    b = command("bugs", fc.cmd_bugs, "fuzz every bug variant from scratch and tabulate (exit 0: all found)")
+    b = command("bugs", f"{FUZZ}:cmd_bugs", "fuzz every bug variant from scratch and tabulate (exit 0: all found)")
     b.add_argument("--seconds-per-bug", type=seconds, default=30.0, help="budget per variant")
     b.add_argument("--driver", default="walk", choices=DRIVERS, help="the search driver")
     b.add_argument("--workers", type=workers, default=1, help="worker processes per search")
@@ -265,20 +269,26 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-guards", action="store_true", help="run kvprop's allocator without its own guards")
     b.add_argument("--only", default=None, metavar="NAME[,NAME]", help="only these variants (see `kvprop variants`)")
 
-    command("variants", c.cmd_variants, "list the bug variants of kvprop's allocator ('correct' has none)")
+    command("variants", f"{COMMANDS}:cmd_variants", "list the bug variants of kvprop's allocator ('correct' has none)")
 
-    t = command("targets", c.cmd_targets, "list the registered targets, what each declares and the release it drives")
+    t = command(
+        "targets",
+        f"{COMMANDS}:cmd_targets",
+        "list the registered targets, what each declares and the release it drives",
+    )
     t.add_argument("--json", action="store_true", help="print the list as JSON")
 
-    from kvprop.front import facts
-
-    fa = command("facts", facts.cmd_facts, "rewrite or check the blocks of docs/design.md the code generates")
+    fa = command(
+        "facts", "kvprop.front.facts:cmd_facts", "rewrite or check the blocks of docs/design.md the code generates"
+    )
     mode = fa.add_mutually_exclusive_group(required=True)
     mode.add_argument("--write", dest="mode", action="store_const", const="write", help="rewrite the blocks in place")
     mode.add_argument("--check", dest="mode", action="store_const", const="check", help="exit 1 naming stale blocks")
     fa.add_argument("--file", default=None, help="the document; none: docs/design.md beside the package")
 
-    cov = command("coverage", c.cmd_coverage, "statement and branch coverage of the target's allocator by walks")
+    cov = command(
+        "coverage", f"{COMMANDS}:cmd_coverage", "statement and branch coverage of the target's allocator by walks"
+    )
     cov.add_argument("--seconds", type=seconds, default=60.0, help="time budget of the walks")
     cov.add_argument("--seed", type=seed, default=0, help="run seed; each walk's seed is a hash of it")
     cov.add_argument("--max-ops", type=operations, default=200, help="operations per walk")
@@ -288,11 +298,13 @@ def build_parser() -> argparse.ArgumentParser:
     target_args(cov, more="; 'vllm+vllm-scheduler' alternates walks between vLLM's two targets")
 
     bi = command(
-        "bisect", bisect.cmd_bisect, "replay a find on every release of its engine in a range (exit 1: some affected)"
+        "bisect",
+        "kvprop.front.bisect:cmd_bisect",
+        "replay a find on every release of its engine in a range (exit 1: some affected)",
     )
     bi.add_argument("file")
     bi.add_argument("--releases", required=True, metavar="FIRST..LAST", help="e.g. 0.22.1..0.34.0, both included")
-    bi.add_argument("--target", default=None, choices=bisect.ENGINE_TARGETS, help="default: the trace's target")
+    bi.add_argument("--target", default=None, choices=choices.ENGINE_TARGETS, help="default: the trace's target")
     bi.add_argument(
         "--envs",
         default=None,
@@ -302,11 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bi.add_argument("--json", action="store_true", help="one JSON object instead of the table")
 
-    from kvprop.front import findings
-
     fi = command(
         "findings",
-        findings.cmd_findings,
+        "kvprop.front.findings:cmd_findings",
         "run every recorded finding's reproducer on each release it names (exit 1: one answers otherwise)",
     )
     fi.add_argument("dir", nargs="?", default="findings", help="the folder of findings (default: findings)")
@@ -314,7 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     fi.add_argument("--releases", action="store_true", help="only print the releases the findings name")
     fi.add_argument("--json", action="store_true", help="one JSON list of answers instead of the table")
 
-    ag = command("agree", c.cmd_agree, "walk kvprop's allocator and a target side by side (exit 1: they disagree)")
+    ag = command(
+        "agree", f"{COMMANDS}:cmd_agree", "walk kvprop's allocator and a target side by side (exit 1: they disagree)"
+    )
     ag.add_argument("--target", required=True, help="'vllm' or package.module:factory")
     ag.add_argument("--walks", type=positive_int, default=100, help="walks to compare")
     ag.add_argument("--seed", type=seed, default=0, help="the first walk's seed; walks take consecutive seeds")
@@ -360,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--out", default="counterexamples", help="where a target that dies or hangs is saved")
     call_timeout_arg(ag)
 
-    bench = command("bench", c.cmd_bench, "throughput, scaling and time-to-find tables")
+    bench = command("bench", f"{COMMANDS}:cmd_bench", "throughput, scaling and time-to-find tables")
     bench.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     bench.add_argument("--quick", action="store_true", help="shorter runs")
     bench.add_argument(
@@ -382,7 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="*",
         type=_bench_part,
         metavar="PART",
-        help="which tables: throughput, supervision (the same walks in this process and in a supervised "
+        help="which tables: startup (seconds of kvprop --help, --version, targets and an argument error, each "
+        "a fresh process), throughput, supervision (the same walks in this process and in a supervised "
         "worker), scaling, time_to_find, vllm (run from a vLLM environment), sglang (from an SGLang "
         "environment), ray (a campaign as Ray tasks against the process pool, and its cost model), targets; "
         "default: all but vllm, sglang and ray",
@@ -392,13 +405,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bench_part(text: str) -> str:
-    # not argparse's choices: with nargs="*" it rejects an empty list (no part named); the
-    # bench module is imported only when its command is parsed, since it runs it anyway
-    from kvprop.front.bench import PARTS
-
-    if text not in PARTS:
-        raise argparse.ArgumentTypeError(f"invalid part {text!r} (choose from {', '.join(PARTS)})")
+    # not argparse's choices: with nargs="*" it rejects an empty list (no part named)
+    if text not in choices.PARTS:
+        raise argparse.ArgumentTypeError(f"invalid part {text!r} (choose from {', '.join(choices.PARTS)})")
     return text
+
+
+def _function(path: str):
+    """The command's function ``module:function`` names, its module imported now."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def main(argv=None) -> int:
@@ -406,7 +422,7 @@ def main(argv=None) -> int:
     interrupt.install()
     args.started = time.monotonic()
     try:
-        return args.func(args)
+        return _function(args.func)(args)
     except KvpropError as e:
         print(f"kvprop {args.command}: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -24,6 +24,7 @@ import attrs
 
 from kvprop.errors import ConfigError
 from kvprop.exits import EXIT_CLEAN
+from kvprop.front.choices import REPORTED  # the targets it reports (the parser offers them)
 from kvprop.front.commands import died_find
 from kvprop.repro.report_page import Page, manager_steps, markdown, scheduler_steps
 from kvprop.search.supervisor import Died, Supervisor
@@ -34,9 +35,6 @@ PICTURE = "failing-step.svg"  # the pool and the block tables before the failing
 SCRIPT_TIMEOUT = 600  # seconds: importing vLLM and replaying a minimised trace take far less
 # Runs the reproducer with every import of kvprop refused, as a maintainer's environment has none.
 WITHOUT_KVPROP = "import runpy, sys; sys.modules['kvprop'] = None; runpy.run_path('repro.py', run_name='__main__')"
-
-
-REPORTED = ("vllm", "vllm-scheduler")
 
 
 def run_reproducer(folder: Path, python: str = sys.executable) -> subprocess.CompletedProcess:
