@@ -24,10 +24,15 @@ CORRECT = "tests.example_target:make_target"
 BUGGY = "tests.example_target:make_stale_map_target"  # found in a few examples: the plumbing is what is tested
 
 TARGETS = '''
+import os
 import random
+import signal
+import time
 
+from kvprop.allocator.view import AllocatorView
 from kvprop.errors import ConfigError
 from kvprop.search.alphabet import RandomChooser, sample_config
+from kvprop.targets.kvprop import make_allocator
 from tests.example_target import make_target
 
 ONLY = sample_config(RandomChooser(random.Random(0))).allocator
@@ -46,6 +51,55 @@ def build_one_shape(config):
 
 def crash(config):
     return {}["allocator"]
+
+
+class Outcome(BaseException):
+    """A target's own BaseException, as a test framework's outcome or asyncio.CancelledError."""
+
+
+def _fork():
+    child = os.fork()
+    if child == 0:
+        time.sleep(3600)
+        os._exit(0)
+    with open("forked.pids", "a") as f:
+        f.write(f"{child}\\n")
+
+
+FAULTS = {
+    "exit": lambda: os._exit(3),
+    "segfault": lambda: os.kill(os.getpid(), signal.SIGSEGV),
+    "keyboard-interrupt": lambda: (_ for _ in ()).throw(KeyboardInterrupt),
+    "base-exception": lambda: (_ for _ in ()).throw(Outcome("cancelled")),
+    "hang": lambda: time.sleep(3600),
+}
+
+
+class Hostile:
+    def __init__(self, allocator, fault):
+        self._allocator, self._fault = allocator, fault
+
+    def __getattr__(self, name):
+        return getattr(self._allocator, name)
+
+    def allocate_slots(self, request, *args, **kwargs):
+        if self._fault == "fork":
+            _fork()
+        elif request.request_id == "r2":
+            FAULTS[self._fault]()
+        return self._allocator.allocate_slots(request, *args, **kwargs)
+
+
+def _hostile(fault):
+    def make(config):
+        allocator = make_allocator(config)
+        return Hostile(allocator, fault), AllocatorView(allocator)
+
+    return make
+
+
+exits, segfaults, interrupts = _hostile("exit"), _hostile("segfault"), _hostile("keyboard-interrupt")
+raises_outcome, hangs, forks = _hostile("base-exception"), _hostile("hang"), _hostile("fork")
 '''
 
 
@@ -67,7 +121,7 @@ def pytest_in(where: Path, *args: str) -> subprocess.CompletedProcess:
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=900,
     )
 
 
@@ -150,3 +204,43 @@ def test_a_target_that_cannot_run_fails_with_kvprops_message(project, target, ex
     assert says in message, run.stdout
     assert "Unsatisfiable" not in run.stdout and "Traceback" not in run.stdout
     assert not (project / "counterexamples").exists()
+
+
+# ---- a target that dies, hangs or forks never takes pytest with it ------------------------------
+
+
+@pytest.mark.parametrize(
+    ("target", "extra", "cause"),
+    [
+        ("my_targets:exits", (), "exit status 3"),
+        ("my_targets:segfaults", (), "signal SIGSEGV"),
+        ("my_targets:interrupts", (), "KeyboardInterrupt"),
+        ("my_targets:raises_outcome", (), "Outcome"),
+        ("my_targets:hangs", ("--kvprop-call-timeout", "3"), "target-hang"),
+    ],
+    ids=["exit", "segfault", "keyboard-interrupt", "base-exception", "hang"],
+)
+def test_a_target_that_dies_or_hangs_fails_its_item_with_a_saved_trace_and_pytest_goes_on(
+    project, target, extra, cause
+):
+    run = kvprop_run(project, target, "--kvprop-examples", "50", "--kvprop-out", "found", *extra)
+    saved = [p for p in (project / "found").glob("*.json") if not p.name.endswith(".found.json")]
+    replay = [line for line in run.stdout.splitlines() if line.startswith("replay: kvprop replay ")]
+    assert (run.returncode, "1 failed, 1 passed" in run.stdout, len(saved), len(replay)) == (1, True, 1, 1), (
+        run.stdout + run.stderr
+    )
+    assert cause in run.stdout, run.stdout
+
+
+def test_no_process_a_target_forks_outlives_the_session(project):
+    run = kvprop_run(project, "my_targets:forks", "--kvprop-examples", "10")
+    forked = [int(pid) for pid in (project / "forked.pids").read_text().split()]
+    assert (run.returncode, forked != [], [pid for pid in forked if _alive(pid)]) == (0, True, []), run.stdout
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -4,14 +4,17 @@ Registered through the ``pytest11`` entry point (``kvprop = kvprop.front.pytest_
 Hypothesis registers its own, so pytest loads it in every session of an environment kvprop
 is installed in. It therefore imports nothing of kvprop, Hypothesis or torch at import time,
 and does nothing at all unless ``--kvprop-target`` is given. With it, the session gets one
-more test item, ``kvprop[<target>]``, which:
+more test item, ``kvprop[<target>]``, which runs in a supervised worker
+(``kvprop.search.supervisor``; pytest's own process never runs target code):
 
 1. loads the target's factory (a target that cannot be loaded fails with kvprop's message);
-2. builds engines over sampled configurations until one builds (none of ``PROBE_SEEDS``
-   building fails with the first refusal, where Hypothesis would say ``Unsatisfiable``);
-3. runs kvprop's state machine under the chosen profile; a violation (or a crash of the
-   target) is written as a trace under ``--kvprop-out`` and fails the item with the
-   violation, the trace's path and the command that replays it.
+2. builds engines over sampled configurations until one builds (none of
+   ``kvprop.search.suite.PROBE_SEEDS`` building fails with the first refusal, where Hypothesis
+   would say ``Unsatisfiable``);
+3. runs kvprop's state machine under the chosen profile; a violation, a crash of the target
+   (an exception, an exit, a signal, a ``KeyboardInterrupt`` or another ``BaseException``) or
+   a hang is written as a trace under ``--kvprop-out`` and fails the item with the failure,
+   the trace's path and the command that replays it, while the session goes on.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import pytest
 DEFAULT_PROFILE = "ci"
 PROFILE_ENV = "KVPROP_PROFILE"  # kvprop.search.profiles.ENV, not imported: this module must import cheaply
 DEFAULT_OUT = "counterexamples"
-PROBE_SEEDS = 64  # sampled configurations tried before the search; one that builds is enough
+CALL_TIMEOUT = 60.0  # kvprop.search.CALL_TIMEOUT, not imported: this module must import cheaply
 
 
 def _positive_int(text: str) -> int:
@@ -36,6 +39,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text!r}")
     return value
 
 
@@ -73,6 +86,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="DIR",
         default=DEFAULT_OUT,
         help=f"where the trace of a failure is written (default: {DEFAULT_OUT}, relative to the current directory)",
+    )
+    group.addoption(
+        "--kvprop-call-timeout",
+        metavar="SECONDS",
+        type=_positive_seconds,
+        default=CALL_TIMEOUT,
+        help=f"seconds the target may go without progress before it is a target-hang find (default: {CALL_TIMEOUT:g})",
     )
     group.addoption(
         "--kvprop-no-minimise",
@@ -127,118 +147,87 @@ def _fail(message: str) -> NoReturn:
 
 def run(item: KvpropItem) -> None:
     from kvprop.errors import ConfigError, TargetError
+    from kvprop.search import trace as tr
+    from kvprop.search.suite import search
+    from kvprop.search.supervisor import Died
 
     config = item.config
     target = config.getoption("kvprop_target")
     variant = config.getoption("kvprop_variant")
+    named = None if target == "kvprop" else target
+    examples = config.getoption("kvprop_examples")
     try:
-        machine_settings, profile = _settings(config)
+        profile = _profile_checked(config)
         _check_target(target, variant)
-        _probe(target, variant)
+        with _supervisor(config, named, variant) as supervisor:
+            try:
+                answer = supervisor.call(
+                    search, {"target": named, "variant": variant, "profile": profile, "examples": examples}
+                )
+            except Died as died:  # the target's process died or hung: a find with its trace
+                _report(item, died.trace, target, variant, profile, None, supervisor, died.log)
+            if "found" in answer:
+                found = tr.from_dict(answer["found"])
+                _report(item, found, target, variant, profile, answer["examples"], supervisor)
     except (ConfigError, TargetError) as e:
         _fail(str(e))
-    _search(item, target, variant, machine_settings, profile)
+    if "unsatisfiable" in answer:
+        _fail(f"target {target!r} could build none of the configurations Hypothesis drew ({answer['unsatisfiable']})")
+    counters = answer["clean"]
+    summary = f"{counters['examples']} examples, {counters['steps']} steps, {counters['events']} events reached"
+    item.user_properties.append(("kvprop", summary))
+    item.add_report_section("call", "kvprop", f"target {target}, profile {profile}: {summary}\n")
 
 
-def _settings(config: pytest.Config):
-    """The chosen profile's settings, passed to the machine explicitly: whatever profile the
-    user's conftest loaded (or Hypothesis's own ``ci`` on CI=true) neither applies nor changes."""
-    from hypothesis import settings
+def _supervisor(config: pytest.Config, target: str | None, variant: str | None):
+    from kvprop.search.supervisor import Supervisor
 
+    return Supervisor(target, variant, None, config.getoption("kvprop_call_timeout"))
+
+
+def _profile_checked(config: pytest.Config) -> str:
+    """The chosen profile's name, once it is known to exist. The worker applies it explicitly:
+    whatever profile the user's conftest loaded (or Hypothesis's own ``ci`` on CI=true) neither
+    applies nor changes."""
     from kvprop.errors import ConfigError
     from kvprop.search import profiles
 
     name = _profile(config)
-    profiles.register()
     if name not in profiles.PROFILES:
         source = "--kvprop-profile" if config.getoption("kvprop_profile") else f"${PROFILE_ENV}"
         raise ConfigError(f"unknown profile {name!r} (from {source}); known: {', '.join(profiles.PROFILES)}")
-    chosen = settings.get_profile(name)
-    examples = config.getoption("kvprop_examples")
-    if examples is not None:
-        chosen = settings(chosen, max_examples=examples)
-    return chosen, name
+    return name
 
 
 def _check_target(target: str, variant: str | None) -> None:
-    """The target loads and the variant exists and applies to it; ConfigError saying why not."""
+    """The target is named as one is and the variant exists and applies to it; ConfigError saying
+    why not. Nothing of the target is imported here: only its supervised worker loads it."""
     from kvprop.errors import ConfigError
-    from kvprop.targets import load_factory
+    from kvprop.targets import check_name
     from kvprop.targets.variants import get_variant
 
     if target != "kvprop":
-        load_factory(target)
+        check_name(target)
         if variant not in (None, "correct"):
             raise ConfigError(f"--kvprop-variant {variant!r} applies to --kvprop-target kvprop only, not to {target!r}")
     get_variant(variant)
 
 
-def _probe(target: str, variant: str | None) -> None:
-    """Build engines over sampled configurations until one builds: a target that refuses every
-    one fails here with its own reason, not with Hypothesis's ``Unsatisfiable``."""
-    import random
-
-    from kvprop.errors import ConfigError, TargetError
-    from kvprop.search.alphabet import RandomChooser, sample_config
-    from kvprop.targets import build_engine, shapes_of
-
-    first_refusal = None
-    shapes = shapes_of(None if target == "kvprop" else target)
-    for seed in range(PROBE_SEEDS):
-        config = sample_config(RandomChooser(random.Random(seed)), shapes)
-        try:
-            build_engine(config, variant=variant, target=None if target == "kvprop" else target)
-        except ConfigError as e:
-            first_refusal = first_refusal or str(e)
-            continue
-        except TargetError as e:  # the factory's own code failed: the user's to see, in one line
-            _fail(f"could not build an engine: {e}\n  configuration: {config}")
-        return
-    raise ConfigError(
-        f"target {target!r} could not build any of {PROBE_SEEDS} sampled configurations; first refusal: {first_refusal}"
-    )
-
-
-def _search(item: KvpropItem, target: str, variant: str | None, machine_settings, profile: str) -> None:
-    from hypothesis.errors import Unsatisfiable
-    from hypothesis.stateful import run_state_machine_as_test
-
-    from kvprop.search.machine import failure_trace, machine_for
-
-    machine = machine_for(variant=variant, target=None if target == "kvprop" else target)
-    error = None
-    try:
-        run_state_machine_as_test(machine, settings=machine_settings)
-    except Exception as e:  # noqa: BLE001 - sorted below, outside the handler, so no exception chain is shown
-        error = e
-    if error is not None:
-        if machine.failures:
-            _report(item, failure_trace(machine), target, variant, profile, machine.counters["examples"])
-        if isinstance(error, Unsatisfiable):
-            refused = machine.counters.get("refused")
-            common = refused.most_common(1) if refused else []
-            reason = f"; most frequent refusal ({common[0][1]}x): {common[0][0]}" if common else ""
-            _fail(
-                f"target {target!r} could build none of the configurations Hypothesis drew "
-                f"({machine.counters['examples']} tried, profile {profile}){reason}"
-            )
-        raise error  # not a finding: an error of the run itself, with its traceback
-    counters = machine.counters
-    summary = f"{counters['examples']} examples, {counters['steps']} steps, {len(machine.events_seen)} events reached"
-    item.user_properties.append(("kvprop", summary))
-    item.add_report_section("call", "kvprop", f"target {target}, profile {profile}: {summary}\n")
-
-
-def _report(item: KvpropItem, found, target: str, variant: str | None, profile: str, examples: int) -> None:
-    """Write the failing trace (minimised unless told not to) and fail with where it is and how to replay it."""
+def _report(
+    item: KvpropItem, found, target: str, variant: str | None, profile: str, examples, supervisor, log=None
+) -> NoReturn:
+    """Write the failing trace (minimised unless told not to, each candidate in ``supervisor``'s
+    worker) and fail with where it is and how to replay it; ``log``: what the target printed
+    in the run it died in."""
     import shlex
 
     from kvprop.targets import is_builtin
 
     failure = found.failure
+    after = f", after {examples} examples" if examples is not None else ""
     head = (
         f"target {target!r}{f' (variant {variant})' if variant else ''} failed {failure.kind} "
-        f"(Hypothesis, profile {profile}, after {examples} examples)\n  {_where(found)}"
+        f"(Hypothesis, profile {profile}{after})\n  {_where(found)}"
     )
     from kvprop.search.trace import save
 
@@ -248,12 +237,18 @@ def _report(item: KvpropItem, found, target: str, variant: str | None, profile: 
         name = _name(found, target)
         found_path = out / f"{name}.found.json"
         save(found, found_path)
+        if log is not None:
+            import shutil
+
+            shutil.copyfile(log, out / f"{name}.log")
     except OSError as e:
         _fail(f"{head}\n(the trace could not be written under --kvprop-out: {e})")
     best, note = found, ""
     if not config.getoption("kvprop_no_minimise"):
-        best, note = _minimise(found, variant, target)
+        best, note = _minimise(found, supervisor)
     lines = [note] if note else []
+    if log is not None:
+        lines.append(f"what the target printed: {_show(out / f'{name}.log', config)}")
     if best is found:
         trace_path = found_path
     else:
@@ -288,12 +283,19 @@ def _operations(n: int) -> str:
     return f"{n} operation{'' if n == 1 else 's'}"
 
 
-def _minimise(found, variant: str | None, target: str):
-    """The minimised trace and a note, or the trace as found and a note saying why not."""
-    from kvprop.repro.minimise import minimise
+def _minimise(found, supervisor):
+    """The minimised trace and a note, or the trace as found and a note saying why not. Each
+    candidate runs in the supervised worker: one that kills the target is judged, not fatal."""
+    from kvprop.repro.minimise import minimiser_for
 
     try:
-        return minimise(found, variant=variant, target=None if target == "kvprop" else target), ""
+        minimiser = minimiser_for(
+            found,
+            variant=supervisor.variant,
+            target=supervisor.target,
+            executor=lambda trace: supervisor.execute(trace).failure,
+        )
+        return minimiser.run(), ""
     except ValueError:
         return found, "(the trace passed when replayed, so it is not minimised: is the target deterministic?)"
     except Exception as e:  # noqa: BLE001 - the find stands; say why it is not minimised

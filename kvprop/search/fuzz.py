@@ -35,6 +35,7 @@ from kvprop.search import CALL_TIMEOUT
 from kvprop.search import journal as jn
 from kvprop.search import supervisor as sv
 from kvprop.search import trace as tr
+from kvprop.search.descendants import end_group
 from kvprop.search.signature import signature_of
 from kvprop.search.tally import Tally
 from kvprop.search.trace import Trace
@@ -371,7 +372,7 @@ def _search(opts: FuzzOptions, status, on_find, start: float, store, seen: int, 
             p.join(timeout=max(0.1, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
-            sv.end_group(p.pid)
+            end_group(p.pid)
         while True:
             try:
                 msg = out.get_nowait()
@@ -427,7 +428,7 @@ def _judge_workers(
             p.kill()
             hung = idle
         p.join()
-        sv.end_group(p.pid)
+        end_group(p.pid)
         while True:  # what it sent before it died is counted before its death
             try:
                 tally.absorb(out.get(timeout=0.05), elapsed)

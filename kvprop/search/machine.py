@@ -150,7 +150,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         counters["examples"] += 1
         journal = type(self).journal
         if journal is not None:  # in a supervised worker: no process of the last example lives on
-            from kvprop.search.supervisor import end_descendants
+            from kvprop.search.descendants import end_descendants
             from kvprop.search.trace import Trace
 
             end_descendants()
