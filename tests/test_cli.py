@@ -1,5 +1,6 @@
 """End to end through the ``kvprop`` command: find, minimise, replay, emit a test."""
 
+import argparse
 import importlib.util
 import json
 import os
@@ -8,7 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import motivating_trace
 
+from kvprop import interrupt
+from kvprop.front import cli, fuzz_command
+from kvprop.front.cli import build_parser
+from kvprop.search import trace as tr
 from kvprop.targets.vllm.releases import RULES_0_33, as_flags, release_rules
 
 BUG = "interleaved-external-alloc"
@@ -325,3 +331,150 @@ def test_a_redis_url_nothing_answers_exits_2_naming_it(tmp_path):
     r = kvprop("fuzz", "--seconds", "1", "--workers", "1", "--redis", "redis://127.0.0.1:1", cwd=tmp_path)
     says = "--redis redis://127.0.0.1:1: cannot connect"
     assert (r.returncode, says in r.stderr, "Traceback" in r.stderr) == (2, True, False), r.stderr
+
+
+# ---- output that cannot be written: exit 2 naming the path ----------------------------------
+
+
+@pytest.fixture
+def trace_file(tmp_path):
+    path = tmp_path / "find.json"
+    tr.save(motivating_trace(), path)
+    return path
+
+
+def under_a_file(tmp_path, name: str) -> Path:
+    """A path whose folder is a regular file: nobody, root included, can write there."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    return blocker / name
+
+
+@pytest.mark.parametrize(("command", "name"), [("emit-test", "test_find.py"), ("minimise", "find.json")])
+def test_an_out_that_cannot_be_written_exits_2_naming_it(trace_file, tmp_path, command, name):
+    out = under_a_file(tmp_path, name)
+    r = kvprop(command, str(trace_file), "--out", str(out), cwd=tmp_path)
+    assert (r.returncode, f"--out {str(out)!r}" in r.stderr, "internal error" in r.stderr) == (2, True, False), r.stderr
+
+
+def test_coverage_html_that_cannot_be_written_exits_2_before_measuring(tmp_path):
+    html = under_a_file(tmp_path, "html")
+    r = kvprop("coverage", "--html", str(html), "--seconds", "1", "--out", str(tmp_path / "cx"), cwd=tmp_path)
+    assert (r.returncode, f"--html {str(html)!r}" in r.stderr, r.stdout) == (2, True, ""), r.stderr
+
+
+def test_bench_markdown_naming_a_folder_exits_2_before_measuring(tmp_path):
+    r = kvprop("bench", "--markdown", str(tmp_path), "startup", cwd=ROOT)
+    says = f"--markdown {str(tmp_path)!r} is a directory"
+    assert (r.returncode, says in r.stderr, r.stdout) == (2, True, ""), r.stderr
+
+
+# ---- a closed pipe ends kvprop quietly --------------------------------------------------------
+
+
+def into_a_closed_pipe(*args, cwd):
+    """``kvprop`` writing into a pipe whose reader is gone before it starts, as ``| head -1``
+    leaves it: (exit code, stderr)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "kvprop", *args],
+            cwd=cwd,
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            timeout=900,
+        )
+    finally:
+        os.close(write)
+    return r.returncode, r.stderr
+
+
+@pytest.mark.parametrize(
+    "args", ["targets", "fuzz --max-runs 50 --workers 1 --seed 1 --out cx"], ids=["targets", "fuzz"]
+)
+def test_a_closed_pipe_ends_kvprop_quietly_with_141(tmp_path, args):
+    assert into_a_closed_pipe(*args.split(), cwd=tmp_path) == (141, "")
+
+
+# ---- fuzz: its budgets, and which one ended it -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "seconds"),
+    [("", 60.0), ("--max-runs 5", None), ("--max-runs 5 --seconds 9", 9.0), ("--seconds 9", 9.0)],
+    ids=["neither", "runs", "runs-and-seconds", "seconds"],
+)
+def test_the_time_budget_is_60s_unless_a_run_budget_is_given_alone(argv, seconds):
+    args = build_parser().parse_args(["fuzz", *argv.split()])
+    assert fuzz_command.time_budget(args) == seconds
+
+
+def test_a_run_budget_alone_runs_all_its_runs(tmp_path):
+    r = kvprop_fuzz(tmp_path, tmp_path / "cx", "--seed 1 --max-runs 20 --json")
+    summary = json.loads(r.stdout)
+    actual = (r.returncode, summary["exit"], summary["runs"], summary["budget"], summary["stopped"])
+    assert actual == (0, 0, 20, {"runs": 20, "seconds": None}, "runs"), r.stderr
+
+
+def test_a_time_budget_that_ends_before_the_run_budget_says_so(tmp_path):
+    # no machine makes a million walks in a second: the clock ends this search, clean or untested
+    r = kvprop_fuzz(tmp_path, tmp_path / "cx", "--seed 1 --max-runs 1000000 --seconds 1 --json")
+    assert json.loads(r.stdout)["stopped"] == "time", r.stderr
+
+
+@pytest.mark.parametrize(
+    ("max_runs", "seconds", "stopped", "says"),
+    [
+        (2000, 60.0, "time", "stopped by the 60s time budget before the 2,000-run budget"),
+        (None, 60.0, "time", "stopped by the 60s time budget"),
+        (2000, None, "runs", "all 2,000 runs of the budget"),
+    ],
+)
+def test_a_clean_summary_line_says_which_budget_ended_the_search(max_runs, seconds, stopped, says):
+    args = argparse.Namespace(max_runs=max_runs, seconds=seconds)
+    assert fuzz_command._why_stopped(args, stopped) == says
+
+
+# ---- --json: one JSON object on stdout, whatever the exit ---------------------------------------
+
+
+def test_json_with_a_find_prints_one_object_naming_it(tmp_path):
+    r = kvprop_fuzz(tmp_path, tmp_path / "cx", f"--variant {BUG} --seed 4 --max-runs 100 --json")
+    summary = json.loads(r.stdout)
+    actual = (r.returncode, summary["exit"], summary["verdict"], summary["stopped"], summary["find"]["kind"])
+    assert actual == (1, 1, "found", "find", "block-in-two-groups"), r.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        ("fuzz --json --target nosuch:thing --max-runs 5", "target 'nosuch:thing': cannot import 'nosuch'"),
+        ("fuzz --json --workers 0", "argument --workers: expected an integer in [1,"),
+    ],
+    ids=["configuration", "argument"],
+)
+def test_json_with_unusable_input_prints_one_object_with_exit_2_and_the_error(tmp_path, args, says):
+    r = kvprop(*args.split(), "--out", str(tmp_path / "cx"), cwd=tmp_path)
+    outcome = json.loads(r.stdout)
+    assert (r.returncode, outcome["exit"], outcome["verdict"], says in outcome["error"]) == (2, 2, "unusable", True)
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "verdict"),
+    [(KeyboardInterrupt(), 130, "interrupted"), (RuntimeError("boom"), 3, "error")],
+    ids=["interrupt", "internal-error"],
+)
+def test_json_after_an_interrupt_or_an_internal_error_prints_one_object_with_the_exit(
+    monkeypatch, capsys, error, code, verdict
+):
+    def command(args):
+        raise error
+
+    monkeypatch.setattr(cli, "_function", lambda path: command)
+    monkeypatch.setattr(interrupt, "install", lambda: None)  # pytest keeps its own signal handlers
+    status = cli.main(["targets", "--json"])
+    outcome = json.loads(capsys.readouterr().out)
+    assert (status, outcome["exit"], outcome["verdict"]) == (code, code, verdict)

@@ -203,18 +203,20 @@ def test_a_hanging_target_under_coverage_ends_past_the_call_timeout_as_a_target_
     assert (r.returncode, "FOUND target-hang while coverage ran the target" in r.stderr) == (1, True), r.stderr
 
 
-def test_a_minimised_trace_that_cannot_be_written_where_asked_is_written_elsewhere_and_said(tmp_path):
+def test_a_minimised_trace_that_cannot_be_written_where_asked_exits_2_naming_the_path_before_minimising(tmp_path):
     target = write_target(tmp_path, in_call=FAULTS["exit"])
     fuzz(tmp_path, target)
     (found,) = (tmp_path / "cx").glob("*.found.json")
     r = kvprop(tmp_path, "minimise", str(found), "--target", target, "--out", "/proc/kvprop-cannot-write.json")
-    fallback = r.stderr.split("the trace is at ")[-1].strip()
-    assert (r.returncode, "could not write /proc/kvprop-cannot-write.json" in r.stderr, Path(fallback).is_file()) == (
-        1,
+    assert (
+        r.returncode,
+        "'/proc/kvprop-cannot-write.json' cannot be written" in r.stderr,
+        "minimising" in r.stdout,
+    ) == (
+        2,
         True,
-        True,
-    ), r.stderr
-    Path(fallback).unlink()
+        False,
+    ), r.stdout + r.stderr
 
 
 # ---- processes a target starts end with its run ----------------------------------------------------
@@ -270,3 +272,24 @@ def test_no_process_a_target_forks_outlives_a_replay(tmp_path):
     write_target(tmp_path, every_call=FORK, in_call=FAULTS["exit"])
     rc, survivors = forked_survivors(tmp_path, "replay", str(trace), "--target", target)
     assert (rc, survivors) == (1, [])
+
+
+# ---- a target that leaks is a find, not a machine brought down --------------------------------------
+
+LEAK = "LEAKED.append(b'x' * (64 * 2**20))"
+
+
+@pytest.mark.parametrize("driver", ["walk", "hypothesis"])
+def test_a_target_leaking_past_the_memory_bound_is_a_target_oom_with_its_trace(tmp_path, driver):
+    target = write_target(tmp_path, at_import="LEAKED = []", every_call=LEAK)
+    r = fuzz(tmp_path, target, "--driver", driver, "--max-memory", "512")
+    find = json.loads(r.stdout)["find"]
+    saved = json.loads(minimised(tmp_path).read_text())["failure"]
+    assert (r.returncode, find["kind"], saved["kind"]) == (1, "target-oom", "target-oom"), r.stderr
+
+
+def test_a_target_leaking_under_replay_is_a_target_oom(tmp_path):
+    target = write_target(tmp_path, at_import="LEAKED = []", every_call=LEAK)
+    fuzz(tmp_path, target, "--max-memory", "512")
+    r = kvprop(tmp_path, "replay", str(minimised(tmp_path)), "--target", target, "--max-memory", "512")
+    assert (r.returncode, "REPRODUCED target-oom" in r.stdout) == (1, True), r.stdout + r.stderr

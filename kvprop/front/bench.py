@@ -450,7 +450,11 @@ def main(
     parts=DEFAULT_PARTS,
     baseline: str | None = None,
     markdown: str | None = None,
-) -> int:
+) -> dict:
+    """The tables of ``parts`` (printed as each is measured unless ``as_json``), written as a
+    markdown document to ``markdown`` if given; returned for ``--json``."""
+    from kvprop.front.commands import unwritable_is_usage
+
     funcs = {
         "startup": startup,
         "throughput": throughput,
@@ -461,8 +465,6 @@ def main(
         "sglang": sglang,
         "ray": ray,
     }
-    if markdown is not None and not Path(markdown).parent.is_dir():
-        raise ConfigError(f"--markdown {markdown!r}: its folder does not exist")
     before = load_baseline(baseline) if baseline is not None else None
     if before is not None and "targets" not in parts:
         raise ConfigError("--baseline adds a column to the targets table: name the targets part too")
@@ -473,8 +475,7 @@ def main(
             result[part] = with_baseline(result[part], before)
         if not as_json:
             print(bench_doc.table(part.replace("_", " "), result[part]) + "\n", flush=True)
-    if as_json:
-        print(json.dumps(result, indent=1))
     if markdown is not None:
-        bench_doc.write(markdown, result, bench_doc.command_line(quick, parts, DEFAULT_PARTS, markdown))
-    return 0
+        with unwritable_is_usage(markdown, "--markdown"):
+            bench_doc.write(markdown, result, bench_doc.command_line(quick, parts, DEFAULT_PARTS, markdown))
+    return result

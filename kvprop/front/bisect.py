@@ -12,7 +12,6 @@ range; the two ends must have one.
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import subprocess
@@ -25,6 +24,7 @@ import attrs
 from kvprop.errors import ConfigError
 from kvprop.exits import EXIT_CLEAN, EXIT_FOUND, EXIT_INTERNAL
 from kvprop.front.choices import ENGINE_TARGETS, ENGINES  # the engines with environments, their targets
+from kvprop.front.commands import print_json
 from kvprop.targets.protocol import REGISTRY
 
 VERSION = r"\d+\.\d+(?:\.\d+)?"
@@ -142,7 +142,7 @@ def cmd_bisect(args) -> int:
             verdicts.append(replay_on(release, env, copy, target))
     result = summary(verdicts)
     if args.json:
-        print(json.dumps({"trace": str(args.file), "target": target, **result}, indent=1))
+        print_json(args, {"trace": str(args.file), "target": target, **result})
     else:
         for v in verdicts:
             print(f"{v.release:>8}  {v.outcome:9} {v.detail}")

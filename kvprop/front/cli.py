@@ -2,13 +2,16 @@
 
 Exit codes: 0 clean (steps ran and nothing failed), 1 a violation or target crash found or
 reproduced, 2 unusable input or configuration (the message says what and what is allowed),
-3 an error of kvprop itself (one line; ``--debug`` shows the traceback), 130 interrupted.
+3 an error of kvprop itself (one line; ``--debug`` shows the traceback), 130 interrupted, 141
+the reader of stdout went away (``kvprop ... | head -1``). With ``--json`` stdout carries one
+JSON document whatever the exit: the command's own, or else the exit code and the error.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import math
 import os
 import sys
@@ -17,9 +20,21 @@ import traceback
 
 from kvprop import __version__, interrupt
 from kvprop.errors import KvpropError
-from kvprop.exits import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE
+from kvprop.exits import (
+    EXIT_CLEAN,
+    EXIT_CLOSED_PIPE,
+    EXIT_FOUND,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+)
 from kvprop.front import choices  # the choices below, without the modules that run the commands
-from kvprop.search import CALL_TIMEOUT, DRIVERS, RAY_BATCH  # imports nothing else: the CLI measures what it runs
+from kvprop.search import (  # imports nothing else: the CLI measures what it runs
+    CALL_TIMEOUT,
+    DRIVERS,
+    MAX_MEMORY_MIB,
+    RAY_BATCH,
+)
 
 MAX_OPS = 10_000
 MAX_SEED = 2**63 - 1
@@ -64,7 +79,7 @@ def kinds(text: str) -> frozenset:
     from kvprop.check.kinds import KINDS
     from kvprop.errors import bounded
 
-    allowed = sorted(KINDS) + ["target-crash", "target-hang"]
+    allowed = sorted(KINDS) + ["target-crash", "target-hang", "target-oom"]
     names = [name.strip() for name in text.split(",")]
     unknown = [name for name in names if name not in allowed]
     if unknown:
@@ -97,6 +112,16 @@ def redis_url(text: str) -> str:
     return text
 
 
+def mebibytes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MiB > 0, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number of MiB > 0, got {text!r}")
+    return value
+
+
 def seconds(text: str) -> float:
     try:
         value = float(text)
@@ -114,6 +139,19 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
     pass
 
 
+class UsageError(Exception):
+    """A command line argparse refuses, with the usage and message argparse would print."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Raises its errors instead of exiting, so that ``main`` reports them as it reports every
+    other exit 2 (with ``--json``, as the JSON object too); its subcommands' parsers are of
+    this class as well."""
+
+    def error(self, message):
+        raise UsageError(f"{self.format_usage()}{self.prog}: error: {message}\n")
+
+
 # Where each command's function is, as "module:function": imported in ``main`` once the command
 # line parsed, so that help, the version and argument errors import no command's module.
 COMMANDS = "kvprop.front.commands"
@@ -121,7 +159,7 @@ FUZZ = "kvprop.front.fuzz_command"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvprop", description=__doc__.split("\n")[0], formatter_class=_Formatter)
+    p = _Parser(prog="kvprop", description=__doc__.split("\n")[0], formatter_class=_Formatter)
     p.add_argument("--version", action="version", version=f"kvprop {__version__}")
     p.add_argument("--debug", action="store_true", help="show the traceback of an internal error")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -138,6 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
             type=seconds,
             default=CALL_TIMEOUT,
             help=f"seconds {what} may take without progress{during} before it is a target-hang find",
+        )
+        sp.add_argument(
+            "--max-memory",
+            type=mebibytes,
+            default=MAX_MEMORY_MIB,
+            metavar="MIB",
+            help="resident memory (MiB) a worker running the target may hold before it is a target-oom find",
         )
 
     def envs_arg(sp) -> None:
@@ -162,7 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
         call_timeout_arg(sp, during=" (importing, building, one operation)")
 
     f = command("fuzz", f"{FUZZ}:cmd_fuzz", "search for a violation until the budget ends (exit 1 found, 0 clean)")
-    f.add_argument("--seconds", type=seconds, default=60.0, help="time budget, counted from the command's start")
+    f.add_argument(
+        "--seconds",
+        type=seconds,
+        default=argparse.SUPPRESS,  # its default depends on --max-runs: kvprop.front.fuzz_command.time_budget
+        help="time budget, counted from the command's start (default: 60, or none with a run budget); "
+        "--max-runs alone ends after its runs, however long they take",
+    )
     f.add_argument("--workers", type=workers, default=cores(), help="worker processes (the default is the cores)")
     f.add_argument(
         "--seed",
@@ -417,27 +468,88 @@ def _function(path: str):
     return getattr(importlib.import_module(module), name)
 
 
+VERDICTS = {
+    EXIT_CLEAN: "clean",
+    EXIT_FOUND: "found",
+    EXIT_USAGE: "unusable",
+    EXIT_INTERNAL: "error",
+    EXIT_INTERRUPTED: "interrupted",
+}
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    interrupt.install()
-    args.started = time.monotonic()
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        return _function(args.func)(args)
+        args = _parse(argv)
+        interrupt.install()
+        args.started = time.monotonic()
+        code, error = _run(args)
+        if getattr(args, "json", False) and not getattr(args, "printed_json", False):
+            _print_outcome(args.command, code, error)
+        sys.stdout.flush()  # a closed pipe is met here, not while Python shuts down
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """The parsed command line; otherwise ``SystemExit`` as argparse exits: 2 for an error
+    (with ``--json``, its JSON object too), 0 after ``--help`` or ``--version``, their text
+    flushed here, where a closed pipe is caught."""
+    code: int | str | None
+    try:
+        return build_parser().parse_args(argv)
+    except UsageError as e:
+        print(e, end="", file=sys.stderr)
+        if "--json" in argv:
+            _print_outcome(None, EXIT_USAGE, str(e).strip().splitlines()[-1])
+        code = EXIT_USAGE
+    except SystemExit as e:
+        code = e.code
+    sys.stdout.flush()
+    sys.exit(code)
+
+
+def _run(args) -> tuple[int, str | None]:
+    """The command's exit code, and the message of the error that ended it (printed on stderr)."""
+    try:
+        return _function(args.func)(args), None
+    except BrokenPipeError:
+        raise
     except KvpropError as e:
-        print(f"kvprop {args.command}: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        message = f"kvprop {args.command}: {e}"
+        print(message, file=sys.stderr)
+        return EXIT_USAGE, message
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return EXIT_INTERRUPTED, "interrupted"
     except Exception as e:  # noqa: BLE001 - an error of kvprop itself: one line, never a "find"
         if args.debug:
             traceback.print_exc()
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        message = f"kvprop {args.command}: internal error: {type(e).__name__}: {first}"
         hint = "" if args.debug else " (run with --debug for the traceback)"
-        print(f"kvprop {args.command}: internal error: {type(e).__name__}: {first}{hint}", file=sys.stderr)
+        print(message + hint, file=sys.stderr)
         if args.debug and getattr(e, "args", None) and "\n" in str(e):
             print(str(e), file=sys.stderr)
-        return EXIT_INTERNAL
+        return EXIT_INTERNAL, message
+
+
+def _print_outcome(command: str | None, code: int, error: str | None) -> None:
+    """The JSON object of a ``--json`` run that ended without the command's own: a script
+    reading stdout gets a document on every exit, never nothing or half a table."""
+    outcome = {"command": command, "exit": code, "verdict": VERDICTS.get(code, "error"), "error": error}
+    print(json.dumps(outcome, indent=1), flush=True)
+
+
+def _reader_gone() -> int:
+    """Whoever read stdout closed it (``kvprop fuzz | head -1``): end quietly, as a Unix tool
+    that SIGPIPE ends does. stdout now points at /dev/null, so that the output still buffered
+    is not flushed into the closed pipe at exit (Python would print "Exception ignored")."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_CLOSED_PIPE
 
 
 if __name__ == "__main__":

@@ -3,12 +3,14 @@ and the helpers they share; ``kvprop.front.cli`` parses and maps outcomes to exi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shlex
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +26,52 @@ PROGRESS_EVERY = 1.0
 def say(args, text: str = "") -> None:
     """Human output: stdout, or stderr when stdout carries --json."""
     print(text, file=sys.stderr if getattr(args, "json", False) else sys.stdout, flush=True)
+
+
+def print_json(args, value) -> None:
+    """The one JSON document of a ``--json`` run, on stdout; ``kvprop.front.cli.main`` prints
+    one of its own (the exit code and the error) for a run that ends without it."""
+    print(json.dumps(value, indent=1), flush=True)
+    args.printed_json = True
+
+
+def writable_folder(path, option: str) -> Path:
+    """``path`` as a folder kvprop can write into, created if missing; checked before the work
+    that fills it, so that an unwritable one is unusable input (exit 2) naming it, not an error
+    of kvprop at the end of a long run."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{option} {str(path)!r} is a file; give a directory")
+    with unwritable_is_usage(path, option):
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".kvprop-write-check-"):
+            pass
+    return path
+
+
+def writable_file(path, option: str, make_folder: bool = True) -> Path:
+    """``path`` as a file kvprop can write: not a folder, in a folder it can write into (created
+    if missing when ``make_folder``); checked before the work whose result it takes."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{option} {str(path)!r} is a directory; give a file's path")
+    if not make_folder and not path.parent.is_dir():
+        raise ConfigError(f"{option} {str(path)!r}: its folder does not exist")
+    with unwritable_is_usage(path, option):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".kvprop-write-check-"):
+            pass
+    return path
+
+
+@contextlib.contextmanager
+def unwritable_is_usage(path, option: str):
+    """A write to a path the user named that fails is unusable input (a ConfigError naming the
+    option and the path), never an error of kvprop itself."""
+    try:
+        yield
+    except OSError as e:
+        raise ConfigError(f"{option} {str(path)!r} cannot be written: {e.strerror or e}") from None
 
 
 def print_steps(trace, supervisor, out=print, log_to: Path | None = None):
@@ -54,13 +102,14 @@ ORIGINS = {
     "violation": "an invariant failed",
     "target-crash": "the target crashed",
     "target-hang": "the target hung",
+    "target-oom": "the target's memory grew past the bound",
 }
 
 
 def supervisor_for(args, variant, target, fresh: bool = False):
     from kvprop.search.supervisor import Supervisor
 
-    return Supervisor(target, variant, args.device, args.call_timeout, fresh=fresh)
+    return Supervisor(target, variant, args.device, args.call_timeout, fresh=fresh, max_memory=args.max_memory)
 
 
 def check_device(device) -> None:
@@ -130,8 +179,13 @@ def died_find(args, died, command: str) -> int:
     path = counterexample.write_found(trace, out, name)
     print(f"FOUND {trace.failure.kind} while {command} ran the target: {trace.failure.message}", file=sys.stderr)
     print(f"saved {path}\nreplay: {replay_line(path, trace)}", file=sys.stderr)
-    if died.log is not None:
-        print(f"the target's output in that run: {counterexample.keep_log(died.log, out, name)}", file=sys.stderr)
+    log = counterexample.keep_log(died.log, out, name) if died.log is not None else None
+    if log is not None:
+        print(f"the target's output in that run: {log}", file=sys.stderr)
+    if getattr(args, "json", False):
+        kind, message = trace.failure.kind, trace.failure.message
+        find = {"kind": kind, "message": message, "trace": str(path), "log": None if log is None else str(log)}
+        print_json(args, {"exit": EXIT_FOUND, "verdict": "found", "find": find})
     return EXIT_FOUND
 
 
@@ -196,11 +250,7 @@ def cmd_minimise(args) -> int:
     import attrs
 
     trace, variant, target = _load(args, "minimise")
-    out = Path(args.out or args.file)
-    if out.is_dir():
-        raise ConfigError(f"--out {str(out)!r} is a directory; give the trace file's path")
-    if out.parent and not out.parent.exists():
-        out.parent.mkdir(parents=True)
+    out = writable_file(args.out or args.file, "--out" if args.out else "the trace")
     print(f"minimising {args.file} ({len(trace.steps)} operations; Ctrl-C keeps the smallest so far) ...", flush=True)
     with supervisor_for(args, variant, target) as supervisor:
         try:
@@ -245,11 +295,10 @@ def cmd_emit_test(args) -> int:
     if target != trace.target:
         trace = attrs.evolve(trace, target=target)
     source = regress.render(trace, source=Path(args.file).name)
-    out = Path(args.out) if args.out else Path(args.file).with_name(f"test_{regress.test_name(trace)}.py")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.is_dir():
-        raise ConfigError(f"--out {str(out)!r} is a directory; give the test file's path")
-    out.write_text(source, encoding="utf-8")
+    option = "--out" if args.out else "the test beside the trace"
+    out = writable_file(args.out or Path(args.file).with_name(f"test_{regress.test_name(trace)}.py"), option)
+    with unwritable_is_usage(out, option):
+        out.write_text(source, encoding="utf-8")
     print(f"wrote {out}")
     return EXIT_CLEAN
 
@@ -343,7 +392,7 @@ def cmd_agree(args) -> int:
         )
     d = result.disagreement
     if args.json:
-        print(json.dumps({**attrs.asdict(result), "agree": d is None}, indent=1))
+        print_json(args, {**attrs.asdict(result), "agree": d is None})
     elif d is None:
         print(f"agree: {result.walks} walks, {result.steps:,} steps ({result.refused} configurations refused)")
     else:
@@ -384,7 +433,7 @@ def cmd_targets(args) -> int:
             }
         )
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print_json(args, rows)
         return EXIT_CLEAN
     for r in rows:
         installed = f"{r['package']} {r['version'] or 'not installed'}"
@@ -408,13 +457,18 @@ def cmd_bench(args) -> int:
 
 
 def _bench(bench, args) -> int:
-    return bench.main(
+    if args.markdown is not None:
+        writable_file(args.markdown, "--markdown", make_folder=False)
+    result = bench.main(
         quick=args.quick,
         as_json=args.json,
         parts=args.parts or bench.DEFAULT_PARTS,
         baseline=args.baseline,
         markdown=args.markdown,
     )
+    if args.json:
+        print_json(args, result)
+    return EXIT_CLEAN
 
 
 def cmd_coverage(args) -> int:
@@ -423,6 +477,8 @@ def cmd_coverage(args) -> int:
 
     check_device(args.device)  # the target and variant are checked in the worker, before it measures
     _check_out(args)
+    if args.html is not None:
+        writable_folder(args.html, "--html")
     label = f"variant {args.variant}" if args.variant else f"target {args.target or 'kvprop'}"
     say(args, f"kvprop {__version__} coverage: {label}, walk driver, {args.seconds:g}s budget, seed {args.seed}")
 
@@ -444,7 +500,7 @@ def cmd_coverage(args) -> int:
         except Died as died:
             return died_find(args, died, "coverage")
     if args.json:
-        print(json.dumps(report.as_dict(), indent=1))
+        print_json(args, report.as_dict())
     else:
         print(coverage.render(report))
     return EXIT_CLEAN

@@ -330,8 +330,11 @@ def measure(
 
         specs = tuple(attrs.asdict(row) for row in census())
     if html_dir is not None:
-        html_dir.mkdir(parents=True, exist_ok=True)
-        cov.html_report(morfs=list(sc.files), directory=str(html_dir), title=f"kvprop coverage: {sc.measured}")
+        from kvprop.front.commands import unwritable_is_usage
+
+        with unwritable_is_usage(html_dir, "--html"):
+            html_dir.mkdir(parents=True, exist_ok=True)
+            cov.html_report(morfs=list(sc.files), directory=str(html_dir), title=f"kvprop coverage: {sc.measured}")
     return Report(
         target=target or "kvprop",
         variant=variant,

@@ -194,6 +194,8 @@ def refresh(text: str) -> tuple[str, list[str]]:
 
 
 def cmd_facts(args) -> int:
+    from kvprop.front.commands import unwritable_is_usage
+
     path = Path(args.file) if args.file else DESIGN
     if not path.is_file():
         raise ConfigError(f"{path} is not a file (--file names the document whose fact blocks to {args.mode})")
@@ -206,7 +208,8 @@ def cmd_facts(args) -> int:
         print(f"{path}: every fact block is current")
         return 0
     if updated != text:
-        path.write_text(updated, encoding="utf-8")
+        with unwritable_is_usage(path, "--file" if args.file else "the design document"):
+            path.write_text(updated, encoding="utf-8")
     rewritten = [name for name in stale if not name.endswith("(no block)")]
     print(f"{path}: rewrote {', '.join(rewritten) or 'nothing'}")
     missing = [name for name in stale if name.endswith("(no block)")]

@@ -21,6 +21,7 @@ import attrs
 from kvprop.errors import ConfigError
 from kvprop.exits import EXIT_CLEAN, EXIT_FOUND
 from kvprop.front.bisect import ENGINES, environments, version
+from kvprop.front.commands import print_json
 from kvprop.front.report import run_reproducer
 from kvprop.targets.protocol import REGISTRY
 
@@ -103,7 +104,10 @@ def needed_releases(findings: list[Finding]) -> list[str]:
 def cmd_findings(args) -> int:
     findings = read_findings(Path(args.dir))
     if args.releases:  # what make findings builds first
-        print(" ".join(needed_releases(findings)))
+        if args.json:
+            print_json(args, needed_releases(findings))
+        else:
+            print(" ".join(needed_releases(findings)))
         return EXIT_CLEAN
     envs = environments(args.envs)
     missing = [r for r in needed_releases(findings) if r not in envs]
@@ -128,7 +132,7 @@ def cmd_findings(args) -> int:
                 )
     differ = [a for a in answers if not a.agrees]
     if args.json:
-        print(json.dumps([attrs.asdict(a) | {"agrees": a.agrees} for a in answers], indent=1))
+        print_json(args, [attrs.asdict(a) | {"agrees": a.agrees} for a in answers])
     else:
         print(f"{len(answers) - len(differ)} of {len(answers)} answers as recorded in {len(findings)} findings")
     return EXIT_FOUND if differ else EXIT_CLEAN

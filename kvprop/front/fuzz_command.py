@@ -1,12 +1,12 @@
 """``kvprop fuzz`` and ``kvprop bugs``: a search, and what becomes of its find.
 
 A find is on disk the moment it is reported (``<name>.found.json``), before it is
-minimised; Ctrl-C while minimising keeps the smallest trace so far.
+minimised; Ctrl-C while minimising keeps the smallest trace so far. A search ends at its run
+budget, its time budget, a find or an interrupt, and its summary says which.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -17,12 +17,34 @@ from kvprop.front.commands import (
     check_allocator,
     check_device,
     minimise_find,
+    print_json,
     print_steps,
     replay_line,
     say,
     supervisor_for,
 )
 from kvprop.search.signature import read_triaged, signature_of
+
+DEFAULT_SECONDS = 60.0  # the time budget of a search given no budget at all
+NO_TIME_LIMIT = 1e9  # seconds (some 30 years): a run budget alone is never cut short by the clock
+# --json's verdict for each exit of a search; exit 2 is a search that ran too little to call clean
+VERDICTS = {EXIT_CLEAN: "clean", EXIT_FOUND: "found", EXIT_USAGE: "untested", EXIT_INTERRUPTED: "interrupted"}
+
+
+def time_budget(args) -> float | None:
+    """``--seconds``; without it, none when ``--max-runs`` gives a run budget (the run count
+    asked for is the run count made, however slow the machine), else ``DEFAULT_SECONDS``."""
+    given = getattr(args, "seconds", None)
+    if given is not None:
+        return given
+    return None if args.max_runs is not None else DEFAULT_SECONDS
+
+
+def _budget(args) -> str:
+    """The budgets, as the header and the summary name them: "100 runs", "60s", "100 runs or 60s"."""
+    runs = f"{args.max_runs:,} runs" if args.max_runs is not None else None
+    clock = f"{args.seconds:g}s" if args.seconds is not None else None
+    return " or ".join(budget for budget in (runs, clock) if budget)
 
 
 def cmd_fuzz(args) -> int:
@@ -31,6 +53,7 @@ def cmd_fuzz(args) -> int:
 
     if getattr(args, "seed", None) is None:
         args.seed = time.time_ns() % 1_000_000_007
+    args.seconds = time_budget(args)
     check_device(args.device)
     check_allocator(args.variant, args.target)
     _without_guards(args.no_guards, args.target)
@@ -51,10 +74,10 @@ def cmd_fuzz(args) -> int:
             dead = supervisor.probe()
         if dead is not None:  # the target died or hung while being built: a find before any search
             return _report_find(args, fuzz.FuzzResult(dead, 0, 0, 0.0, frozenset(), 0.0), out, _summary(args, None))
-        if args.canary and not _canary(args):
-            return EXIT_USAGE
+        if args.canary:
+            _canary(args)
     opts = fuzz.FuzzOptions(
-        seconds=args.seconds,
+        seconds=NO_TIME_LIMIT if args.seconds is None else args.seconds,
         workers=args.workers,
         seed=args.seed,
         driver=args.driver,
@@ -68,6 +91,7 @@ def cmd_fuzz(args) -> int:
         known=args.known,
         triaged=triaged,
         call_timeout=args.call_timeout,
+        max_memory=args.max_memory,
     )
     saved: dict = {}
 
@@ -88,7 +112,7 @@ def cmd_fuzz(args) -> int:
     say(
         args,
         f"kvprop {__version__} fuzz: driver {args.driver}, {label}, {workers}, "
-        f"{args.seconds:g}s budget, seed {args.seed}{unguarded}",
+        f"budget {_budget(args)}, seed {args.seed}{unguarded}",
     )
     try:
         result = fuzz.search(opts, status=lambda line: say(args, line), on_find=on_find, started=args.started)
@@ -106,7 +130,7 @@ def _interrupted(args, result, summary, saved: dict) -> int:
     say(args, f"\ninterrupted: {result.runs:,} runs, {result.steps:,} steps in {result.seconds:.1f}s, seed {args.seed}")
     for path in saved.values():
         say(args, f"  a find is saved in {path}")
-    _emit_json(args, summary, saved=[str(p) for p in saved.values()])
+    _emit_json(args, summary, EXIT_INTERRUPTED, error="interrupted", saved=[str(p) for p in saved.values()])
     return EXIT_INTERRUPTED
 
 
@@ -165,13 +189,36 @@ def _summary(args, result) -> dict:
         "variant": args.variant,
         "guards": not args.no_guards,
         "known_finds": result.known,
+        "budget": {"runs": args.max_runs, "seconds": args.seconds},
+        "stopped": _stopped(args, result),
         "find": None,
     }
 
 
-def _emit_json(args, summary, **extra) -> None:
+def _stopped(args, result) -> str:
+    """Why the search ended: "interrupted", "find", "runs" (its run budget was spent) or "time"
+    (its time budget ended first; with a run budget too, before all its runs)."""
+    if result.interrupted:
+        return "interrupted"
+    if result.found is not None:
+        return "find"
+    if args.max_runs is None:
+        return "time"
+    asked = args.max_runs * (args.workers if args.driver == "hypothesis" else 1)  # examples: per worker
+    return "runs" if result.runs >= asked or args.seconds is None else "time"
+
+
+def _emit_json(args, summary, code: int, **extra) -> None:
+    """The summary with the exit code and its verdict (``--json``)."""
     if args.json:
-        print(json.dumps({**summary, **extra}, indent=1))
+        print_json(args, {**summary, **extra, "exit": code, "verdict": VERDICTS[code]})
+
+
+def _untested(args, summary, why: str) -> int:
+    """A search that ran too little to call clean: unusable (exit 2), and why."""
+    say(args, f"NOT CLEAN: {why}")
+    _emit_json(args, summary, EXIT_USAGE, error=why)
+    return EXIT_USAGE
 
 
 def _clean(args, result, summary) -> int:
@@ -183,17 +230,15 @@ def _clean(args, result, summary) -> int:
         reason, count = max(result.refused.items(), key=lambda kv: kv[1])
         say(args, f"the target refused {refused:,} of {result.runs:,} configurations; most often ({count:,}): {reason}")
     if result.runs == 0:
-        say(args, f"NOT CLEAN: the {args.seconds:g}s budget ended before any run completed; nothing was tested")
-        _emit_json(args, summary, verdict="untested")
-        return EXIT_USAGE
+        why = f"the budget ({_budget(args)}) ended before any run completed; nothing was tested"
+        return _untested(args, summary, why)
     if result.steps == 0 or result.executed_runs < MIN_EXECUTED * result.runs:
-        say(
+        return _untested(
             args,
-            f"NOT CLEAN: {result.steps:,} steps ran and the target built {result.executed_runs:,} of "
-            f"{result.runs:,} sampled configurations (at least {MIN_EXECUTED:.0%} must run); nothing was tested enough",
+            summary,
+            f"{result.steps:,} steps ran and the target built {result.executed_runs:,} of {result.runs:,} "
+            f"sampled configurations (at least {MIN_EXECUTED:.0%} must run); nothing was tested enough",
         )
-        _emit_json(args, summary, verdict="untested")
-        return EXIT_USAGE
     events = reachable_events(args.target)
     missing = [e for e in events if e not in result.events]
     known = ""
@@ -204,13 +249,23 @@ def _clean(args, result, summary) -> int:
         known = f" but for {distinct}; saved under {args.out})"
     say(
         args,
-        f"clean{known}: {result.runs:,} runs, {result.steps:,} steps in {result.seconds:.1f}s; "
-        f"events reached {len(events) - len(missing)}/{len(events)}",
+        f"clean{known}: {result.runs:,} runs, {result.steps:,} steps in {result.seconds:.1f}s, "
+        f"{_why_stopped(args, summary['stopped'])}; events reached {len(events) - len(missing)}/{len(events)}",
     )
     if missing:
         say(args, "  not reached: " + "; ".join(missing))
-    _emit_json(args, summary, verdict="clean")
+    _emit_json(args, summary, EXIT_CLEAN)
     return EXIT_CLEAN
+
+
+def _why_stopped(args, stopped: str) -> str:
+    """The end of a clean search in words; a time budget that ended before the run budget is
+    said outright, since fewer runs were made than asked for."""
+    if stopped == "runs":
+        return f"all {args.max_runs:,} runs of the budget"
+    if args.max_runs is not None:
+        return f"stopped by the {args.seconds:g}s time budget before the {args.max_runs:,}-run budget"
+    return f"stopped by the {args.seconds:g}s time budget"
 
 
 def _report_find(args, result, out, summary) -> int:
@@ -258,12 +313,13 @@ def _write_find(args, result, out, summary, name, best, interrupted, supervisor)
         "log": str(args.logs[found]) if found in args.logs else None,
         "signature": signature.to_dict(),
     }
-    _emit_json(args, summary, verdict="found")
+    _emit_json(args, summary, EXIT_FOUND)
     return EXIT_FOUND
 
 
-def _canary(args) -> bool:
-    """The canary fault switched on in the target being fuzzed must be found within its budget."""
+def _canary(args) -> None:
+    """The canary fault switched on in the target being fuzzed must be found within its budget:
+    if it is not, the checks would miss a real bug too, and the run is refused (exit 2)."""
     from kvprop.search import fuzz
 
     say(args, f"canary: searching target {args.target or 'kvprop'} with the canary fault switched on ...")
@@ -277,18 +333,16 @@ def _canary(args) -> bool:
         device=args.device,
         canary=True,
         call_timeout=args.call_timeout,
+        max_memory=args.max_memory,
     )
     result = fuzz.search(opts)
     if result.found is None:
-        say(
-            args,
+        raise ConfigError(
             f"canary FAILED: the fault was not found in {args.canary_seconds:g}s ({result.steps:,} steps); "
-            f"refusing to fuzz (the checks would not find a real bug either)",
+            f"refusing to fuzz (the checks would not find a real bug either)"
         )
-        return False
     seconds = result.seconds_to_find or 0.0
     say(args, f"canary ok: found {result.found.failure.kind if result.found.failure else '?'} in {seconds:.2f}s")
-    return True
 
 
 def _chosen(only: str | None, variants) -> list[str]:
@@ -355,5 +409,5 @@ def cmd_bugs(args) -> int:
                 flush=True,
             )
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print_json(args, rows)
     return EXIT_CLEAN if all(r["found"] for r in rows) else EXIT_FOUND

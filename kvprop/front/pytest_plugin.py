@@ -30,6 +30,7 @@ DEFAULT_PROFILE = "ci"
 PROFILE_ENV = "KVPROP_PROFILE"  # kvprop.search.profiles.ENV, not imported: this module must import cheaply
 DEFAULT_OUT = "counterexamples"
 CALL_TIMEOUT = 60.0  # kvprop.search.CALL_TIMEOUT, not imported: this module must import cheaply
+MAX_MEMORY_MIB = 8192  # kvprop.search.MAX_MEMORY_MIB, likewise
 
 
 def _positive_int(text: str) -> int:
@@ -43,12 +44,13 @@ def _positive_int(text: str) -> int:
 
 
 def _positive_seconds(text: str) -> float:
+    """A finite number above 0 (seconds, or MiB)."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
     if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
     return value
 
 
@@ -93,6 +95,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type=_positive_seconds,
         default=CALL_TIMEOUT,
         help=f"seconds the target may go without progress before it is a target-hang find (default: {CALL_TIMEOUT:g})",
+    )
+    group.addoption(
+        "--kvprop-max-memory",
+        metavar="MIB",
+        type=_positive_seconds,
+        default=MAX_MEMORY_MIB,
+        help=f"resident memory (MiB) the target's worker may hold before it is a target-oom find "
+        f"(default: {MAX_MEMORY_MIB})",
     )
     group.addoption(
         "--kvprop-no-minimise",
@@ -182,7 +192,8 @@ def run(item: KvpropItem) -> None:
 def _supervisor(config: pytest.Config, target: str | None, variant: str | None):
     from kvprop.search.supervisor import Supervisor
 
-    return Supervisor(target, variant, None, config.getoption("kvprop_call_timeout"))
+    timeout, memory = config.getoption("kvprop_call_timeout"), config.getoption("kvprop_max_memory")
+    return Supervisor(target, variant, None, timeout, max_memory=memory)
 
 
 def _profile_checked(config: pytest.Config) -> str:

@@ -25,7 +25,7 @@ import attrs
 from kvprop.errors import ConfigError
 from kvprop.exits import EXIT_CLEAN
 from kvprop.front.choices import REPORTED  # the targets it reports (the parser offers them)
-from kvprop.front.commands import died_find
+from kvprop.front.commands import died_find, writable_folder
 from kvprop.repro.report_page import Page, manager_steps, markdown, scheduler_steps
 from kvprop.search.supervisor import Died, Supervisor
 from kvprop.search.trace import Trace
@@ -71,6 +71,7 @@ def cmd_report(args) -> int:
         raise ConfigError(f"--out {str(out)!r} is a file; give a folder")
     if importlib.util.find_spec("vllm") is None:  # looked for, not imported: vLLM runs only in the worker
         raise ConfigError(f"kvprop report needs vLLM importable; {INSTALL_HINT}")
+    writable_folder(out, "--out" if args.out else "the report folder")
     with Supervisor(trace.target, None, None, args.call_timeout) as supervisor:
         try:
             supervisor.call(report_here, {"trace": tr.to_dict(trace), "out": str(out)})

@@ -1,8 +1,11 @@
-"""The processes of a worker and of the target it runs: a group of their own, ended together.
+"""The processes of a worker and of the target it runs: a group of their own, ended together,
+and the memory they hold.
 
 A supervised worker (``kvprop.search.supervisor``) leads a process group and is a child
 subreaper, so every process its target starts stays in reach: none outlives its run, its
-worker or kvprop (a target that forked once per call left hundreds of orphans behind).
+worker or kvprop (a target that forked once per call left hundreds of orphans behind). The
+parent reads the worker's resident memory, so that a target that leaks is a find
+(``target-oom``) rather than a machine brought down.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import os
 import signal
 import sys
 
-__all__ = ["children", "die_with_parent", "end_descendants", "end_group", "lead_own_group"]
+__all__ = ["children", "die_with_parent", "end_descendants", "end_group", "lead_own_group", "resident_mib"]
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def die_with_parent(parent: int) -> None:
@@ -75,3 +80,12 @@ def end_group(pid: int | None) -> None:
         return
     with contextlib.suppress(OSError):
         os.killpg(pid, signal.SIGKILL)
+
+
+def resident_mib(pid: int) -> float:
+    """Resident memory of process ``pid`` in MiB (0 where it cannot be read: gone, or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * PAGE / 2**20
+    except (OSError, ValueError, IndexError):
+        return 0.0

@@ -31,11 +31,11 @@ import attrs
 
 from kvprop import interrupt
 from kvprop.errors import ConfigError, TargetError
-from kvprop.search import CALL_TIMEOUT
+from kvprop.search import CALL_TIMEOUT, MAX_MEMORY_MIB
 from kvprop.search import journal as jn
 from kvprop.search import supervisor as sv
 from kvprop.search import trace as tr
-from kvprop.search.descendants import end_group
+from kvprop.search.descendants import end_group, resident_mib
 from kvprop.search.signature import signature_of
 from kvprop.search.tally import Tally
 from kvprop.search.trace import Trace
@@ -67,6 +67,7 @@ class FuzzOptions:
     known: frozenset = frozenset()  # walk driver: finds of these kinds are kept and the search goes on
     triaged: frozenset = frozenset()  # walk driver: so are finds of these signatures (kvprop.search.signature)
     call_timeout: float = CALL_TIMEOUT  # seconds a worker may go without progress before it is a target-hang
+    max_memory: float = MAX_MEMORY_MIB  # MiB a worker may hold before it is a target-oom
 
 
 @attrs.frozen
@@ -420,13 +421,17 @@ def _judge_workers(
     for index, p in list(workers.items()):
         if index in tally.exited:
             continue
-        hung = None
+        hung = oom = None
         if p.is_alive():
             idle, grace = sv.idle_for(files / f"w{index}.journal", spawned[index], now)
-            if idle <= (grace or opts.call_timeout):
+            held = resident_mib(p.pid)
+            if idle <= (grace or opts.call_timeout) and held <= opts.max_memory:
                 continue
             p.kill()
-            hung = idle
+            if held > opts.max_memory:
+                oom = (held, opts.max_memory)
+            else:
+                hung = idle
         p.join()
         end_group(p.pid)
         while True:  # what it sent before it died is counted before its death
@@ -438,7 +443,7 @@ def _judge_workers(
             continue
         tally.exited.add(index)
         try:
-            found, walk = sv.judge(files / f"w{index}.journal", exitcode=p.exitcode, hung=hung)
+            found, walk = sv.judge(files / f"w{index}.journal", exitcode=p.exitcode, hung=hung, oom=oom)
         except TargetError as e:
             tally.target_error = tally.target_error or str(e)
             continue

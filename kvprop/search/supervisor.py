@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kvprop.errors import ConfigError, KvpropError, TargetError
-from kvprop.search import CALL_TIMEOUT
-from kvprop.search.descendants import die_with_parent, end_descendants, end_group, lead_own_group
+from kvprop.search import CALL_TIMEOUT, MAX_MEMORY_MIB
+from kvprop.search.descendants import die_with_parent, end_descendants, end_group, lead_own_group, resident_mib
 
 if TYPE_CHECKING:
     from kvprop.search.trace import Failure, Trace
@@ -65,11 +65,14 @@ def death_cause(exitcode: int | None) -> str:
     return f"exit status {exitcode}"
 
 
-def judge(journal_path: Path, exitcode: int | None = None, hung: float | None = None) -> tuple[Trace, int | None]:
+def judge(
+    journal_path: Path, exitcode: int | None = None, hung: float | None = None, oom: tuple[float, float] | None = None
+) -> tuple[Trace, int | None]:
     """The find a worker's death stands for: its journal's run with a ``target-crash`` (died
     with ``exitcode``) or ``target-hang`` (no progress for ``hung`` seconds) failure, and the
     run's walk index. A worker that died before it began a run has no journal to read: that is
-    a ``TargetError`` (the target cannot even be set up)."""
+    a ``TargetError`` (the target cannot even be set up). ``oom``: (MiB held, the bound) of a
+    worker killed for its memory, a ``target-oom``."""
     from kvprop.search import journal as jn
     from kvprop.search.trace import Failure
 
@@ -77,13 +80,24 @@ def judge(journal_path: Path, exitcode: int | None = None, hung: float | None = 
     cause = death_cause(exitcode)
     if run is None:
         what = f"hung for {hung:.0f}s" if hung is not None else f"died ({cause})"
+        if oom is not None:
+            what = f"held {oom[0]:,.0f} MiB, past the bound of {oom[1]:,.0f} MiB (--max-memory),"
         raise TargetError(f"the worker running the target {what} before it began a run")
     where = {
         "build": "while building the target (its import or factory)",
         "drain": "in the final drain",
         "operation": f"in operation {run.step}",
     }[run.phase]
-    if hung is not None:
+    if oom is not None:
+        failure = Failure(
+            run.step,
+            "target-oom",
+            f"target-oom: the target's worker held {oom[0]:,.0f} MiB, past the bound of {oom[1]:,.0f} MiB "
+            f"(--max-memory) {where}",
+            "target-oom",
+            "oom",
+        )
+    elif hung is not None:
         failure = Failure(
             run.step,
             "target-hang",
@@ -348,9 +362,18 @@ class Supervisor:
 
     Use as a context manager; ``close`` ends the worker and removes its files."""
 
-    def __init__(self, target=None, variant=None, device=None, call_timeout: float = CALL_TIMEOUT, fresh: bool = False):
+    def __init__(
+        self,
+        target=None,
+        variant=None,
+        device=None,
+        call_timeout: float = CALL_TIMEOUT,
+        fresh: bool = False,
+        max_memory: float = MAX_MEMORY_MIB,
+    ):
         self.target, self.variant, self.device = target, variant, device
         self.call_timeout = call_timeout
+        self.max_memory = max_memory  # MiB the worker may hold before it is a target-oom
         self.fresh = fresh  # the worker starts a new interpreter (spawn) instead of a fork of this one
         self.dir = Path(tempfile.mkdtemp(prefix="kvprop-worker-"))
         self.journal_path = self.dir / "journal"
@@ -420,11 +443,16 @@ class Supervisor:
                 self.proc.kill()
                 self.proc.join()
                 return self._died(hung=idle)
+            held = resident_mib(self.proc.pid)
+            if held > self.max_memory:
+                self.proc.kill()
+                self.proc.join()
+                return self._died(oom=(held, self.max_memory))
 
-    def _died(self, exitcode=None, hung=None):
+    def _died(self, exitcode=None, hung=None, oom=None):
         end_group(self.proc.pid)
         self.proc = None
-        found, _ = judge(self.journal_path, exitcode=exitcode, hung=hung)
+        found, _ = judge(self.journal_path, exitcode=exitcode, hung=hung, oom=oom)
         return ("died", found)
 
     def _answer(self, answer):

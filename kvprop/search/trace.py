@@ -40,9 +40,9 @@ class TraceError(KvpropError):
     """A trace file is malformed or incompatible; the message says what and where."""
 
 
-ORIGINS = ("violation", "target-crash", "target-hang")
+ORIGINS = ("violation", "target-crash", "target-hang", "target-oom")
 # The kinds a find can carry: the invariants' kinds, and the target's own failures.
-TARGET_KINDS = ("target-crash", "target-hang")
+TARGET_KINDS = ("target-crash", "target-hang", "target-oom")
 
 
 @attrs.frozen
