@@ -271,6 +271,7 @@ class Running:
             stderr=self._stderr,
             text=True,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
+            start_new_session=True,  # a group of its own, as `timeout` and a CI runner start it
         )
         self.lines: list[str] = []
         self._queue: queue.Queue = queue.Queue()
@@ -347,13 +348,46 @@ def test_ctrl_c_while_minimising_keeps_the_smallest_trace_so_far(tmp_path, runni
     if k.wait_for(lambda line: line.startswith("  minimising:"), timeout=180) is not None:
         os.kill(k.proc.pid, signal.SIGINT)
     rc, stdout, stderr = k.finish(timeout=120)
-    assert rc == 1, stdout + stderr
-    assert "minimising interrupted at" in stdout or "minimised to" in stdout, stdout
+    interrupted = "minimising interrupted at" in stdout
+    assert (rc, interrupted or "minimised to" in stdout) == (130 if interrupted else 1, True), stdout + stderr
     traces, found = traces_in(out)
     assert (len(traces), len(found)) == (1, 1), sorted(p.name for p in out.iterdir())
     assert f"wrote {traces[0]}" in stdout, stdout
     best, first = tr.load(traces[0]), tr.load(found[0])
     assert best.failure.kind == first.failure.kind and len(best.steps) <= len(first.steps)
+
+
+# 8b. a signal to the whole process group while minimising (what `timeout` and a CI cancelling send) ---
+
+
+def _stderr_says(path, text: str, timeout: float) -> bool:
+    """Whether ``text`` appears in the file ``path`` within ``timeout`` seconds (a guard, not a measure)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in path.read_text():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_group_while_minimising_keeps_the_trace_and_prints_one_json_document(tmp_path, running, signum):
+    out = tmp_path / "cx"
+    k = running(*FIND.split(), "--out", str(out), "--json")
+    if _stderr_says(k.stderr_path, "  minimising:", timeout=180):  # if it finishes first, the run just ends
+        os.killpg(k.proc.pid, signum)
+    rc, stdout, stderr = k.finish(timeout=120)
+    summary = json.loads(stdout)
+    traces, found = traces_in(out)
+    interrupted = summary["stopped"] == "interrupted"
+    assert (rc, summary["exit"], len(traces), len(found), "internal error" in stderr) == (
+        130 if interrupted else 1,
+        rc,
+        1,
+        1,
+        False,
+    ), stdout + stderr
+    assert summary["find"]["trace"] == str(traces[0])
 
 
 # 11. Ctrl-C during the search --------------------------------------------------------------------

@@ -18,7 +18,7 @@ import attrs
 
 from kvprop import __version__
 from kvprop.errors import ConfigError
-from kvprop.exits import EXIT_CLEAN, EXIT_FOUND
+from kvprop.exits import EXIT_CLEAN, EXIT_FOUND, EXIT_INTERRUPTED
 
 PROGRESS_EVERY = 1.0
 
@@ -262,6 +262,8 @@ def cmd_minimise(args) -> int:
         out = _save_or_fall_back(best, out)
         stopped = " (interrupted: the smallest so far)" if interrupted else ""
         print(f"{len(trace.steps)} operations -> {len(best.steps)}{stopped}; wrote {out}")
+        if interrupted:  # asked to stop: the smallest trace so far is kept, nothing more runs
+            return EXIT_INTERRUPTED
         print_steps(best, supervisor)
     return EXIT_FOUND
 

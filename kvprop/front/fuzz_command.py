@@ -295,7 +295,10 @@ def _write_find(args, result, out, summary, name, best, interrupted, supervisor)
             f"{found.seed}); {len(found.steps)} operations {verdict} {len(best.steps)}:",
         )
     trace_path, test_path = counterexample.write(best, out, name)  # on disk before it runs again
-    print_steps(best, supervisor, out=lambda s: say(args, s))
+    if interrupted:  # asked to stop: the smallest trace so far is kept, nothing more runs
+        say(args, "  (interrupted: its steps are shown by the replay below)")
+    else:
+        print_steps(best, supervisor, out=lambda s: say(args, s))
     say(args, f"\nwrote {trace_path}\nwrote {test_path}\nreplay: {replay_line(trace_path, best)}")
     signature = signature_of(best)
     say(args, f"signature: {signature.key} ({', '.join(signature.features)})")
@@ -313,6 +316,10 @@ def _write_find(args, result, out, summary, name, best, interrupted, supervisor)
         "log": str(args.logs[found]) if found in args.logs else None,
         "signature": signature.to_dict(),
     }
+    if interrupted:  # Ctrl-C or SIGTERM while minimising: the find is kept, and the exit says it was asked to stop
+        summary["stopped"] = "interrupted"
+        _emit_json(args, summary, EXIT_INTERRUPTED, error="interrupted while minimising")
+        return EXIT_INTERRUPTED
     _emit_json(args, summary, EXIT_FOUND)
     return EXIT_FOUND
 
