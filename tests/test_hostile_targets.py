@@ -293,3 +293,35 @@ def test_a_target_leaking_under_replay_is_a_target_oom(tmp_path):
     fuzz(tmp_path, target, "--max-memory", "512")
     r = kvprop(tmp_path, "replay", str(minimised(tmp_path)), "--target", target, "--max-memory", "512")
     assert (r.returncode, "REPRODUCED target-oom" in r.stdout) == (1, True), r.stdout + r.stderr
+
+
+# ---- a hang is found, saved and minimised within the time budget -------------------------------------
+
+
+def test_a_hanging_target_under_the_default_call_timeout_is_found_within_the_budget(tmp_path):
+    """The call timeout fits the budget (a quarter of --seconds, at least 10 s): the hang is a
+    find with its trace, not a run that "tested nothing"."""
+    target = write_target(tmp_path, in_call=FAULTS["hang"])
+    args = ("fuzz", "--workers", "1", "--seconds", "40", "--seed", "1", "--out", "cx", "--json")
+    r = kvprop(tmp_path, *args, "--target", target)
+    summary = json.loads(r.stdout)
+    assert (r.returncode, summary["find"]["kind"], len(list((tmp_path / "cx").glob("*.found.json")))) == (
+        1,
+        "target-hang",
+        1,
+    ), r.stderr
+
+
+def test_a_factory_that_never_returns_is_saved_before_minimising_and_minimised_within_the_budget(tmp_path):
+    target = write_target(tmp_path, in_factory=FAULTS["hang"])
+    args = ("fuzz", "--workers", "1", "--seconds", "20", "--call-timeout", "3", "--out", "cx")
+    r = kvprop(tmp_path, *args, "--target", target)
+    said = r.stdout + r.stderr
+    saved = said.find("found target-hang while building the target; saved ")
+    assert (r.returncode, saved != -1, -1 < saved < said.find("minimising"), "at most 20s" in said) == (
+        1,
+        True,
+        True,
+        True,
+    ), said
+    assert "FAILED at building the target" in said, said

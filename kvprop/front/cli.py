@@ -32,7 +32,9 @@ from kvprop.front import choices  # the choices below, without the modules that 
 from kvprop.search import (  # imports nothing else: the CLI measures what it runs
     CALL_TIMEOUT,
     DRIVERS,
+    FUZZ_SECONDS,
     MAX_MEMORY_MIB,
+    MIN_CALL_TIMEOUT,
     RAY_BATCH,
 )
 
@@ -174,8 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument(
             "--call-timeout",
             type=seconds,
-            default=CALL_TIMEOUT,
-            help=f"seconds {what} may take without progress{during} before it is a target-hang find",
+            default=None,
+            help=f"seconds {what} may take without progress{during} before it is a target-hang find "
+            f"(default: {CALL_TIMEOUT:g}, or a quarter of --seconds where that is less, at least "
+            f"{MIN_CALL_TIMEOUT:g}; importing and building the target keep {CALL_TIMEOUT:g})",
         )
         sp.add_argument(
             "--max-memory",
@@ -481,6 +485,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args = _parse(argv)
+        _timeouts(args)
         interrupt.install()
         args.started = time.monotonic()
         code, error = _run(args)
@@ -490,6 +495,26 @@ def main(argv=None) -> int:
         return code
     except BrokenPipeError:
         return _reader_gone()
+
+
+def _timeouts(args: argparse.Namespace) -> None:
+    """``call_timeout`` and ``build_timeout`` of a command that runs a target. Given, the call
+    timeout holds everywhere. Not given, it fits the time budget, so that a target that hangs is
+    found, saved and minimised within ``--seconds`` instead of outliving it: a quarter of the
+    budget, between ``MIN_CALL_TIMEOUT`` and ``CALL_TIMEOUT``; importing and building the target
+    (an engine's import takes seconds on a loaded machine) keep ``CALL_TIMEOUT``."""
+    given = vars(args)
+    if "call_timeout" not in given:
+        return
+    if given["call_timeout"] is not None:
+        args.build_timeout = args.call_timeout
+        return
+    if "seconds" in given:
+        budget = given["seconds"]
+    else:  # fuzz's own default budget (kvprop.front.fuzz_command.time_budget)
+        budget = FUZZ_SECONDS if given.get("command") == "fuzz" and given.get("max_runs") is None else None
+    args.call_timeout = CALL_TIMEOUT if budget is None else min(CALL_TIMEOUT, max(MIN_CALL_TIMEOUT, budget / 4))
+    args.build_timeout = CALL_TIMEOUT
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -74,6 +74,9 @@ def unwritable_is_usage(path, option: str):
         raise ConfigError(f"{option} {str(path)!r} cannot be written: {e.strerror or e}") from None
 
 
+BUILDING = "while building the target"  # how a death's judgement places one before any operation
+
+
 def print_steps(trace, supervisor, out=print, log_to: Path | None = None):
     """Replay ``trace`` in ``supervisor``'s worker, printing each step; the failure, if any.
     If the target's process died, what it printed is kept at ``log_to``."""
@@ -84,9 +87,11 @@ def print_steps(trace, supervisor, out=print, log_to: Path | None = None):
     failure = executed.failure
     if failure is not None:
         where = (
-            "the final drain"
-            if failure.step >= len(trace.steps)
-            else f"step {failure.step}: {trace.steps[failure.step]!r}"
+            f"step {failure.step}: {trace.steps[failure.step]!r}"
+            if failure.step < len(trace.steps)
+            else "building the target"
+            if failure.origin != "violation" and BUILDING in failure.message
+            else "the final drain"
         )
         out(f"  FAILED at {where} ({ORIGINS[failure.origin]})\n  {failure.message}")
         if executed.log is not None and log_to is not None:
@@ -109,7 +114,15 @@ ORIGINS = {
 def supervisor_for(args, variant, target, fresh: bool = False):
     from kvprop.search.supervisor import Supervisor
 
-    return Supervisor(target, variant, args.device, args.call_timeout, fresh=fresh, max_memory=args.max_memory)
+    return Supervisor(
+        target,
+        variant,
+        args.device,
+        args.call_timeout,
+        fresh=fresh,
+        max_memory=args.max_memory,
+        build_timeout=args.build_timeout,
+    )
 
 
 def check_device(device) -> None:
@@ -131,12 +144,32 @@ def check_allocator(variant, target) -> None:
         raise ConfigError(f"--variant {variant!r} applies to the kvprop target only, not to --target {target!r}")
 
 
+MINIMISE_HANG_SECONDS = 120.0  # minimising a hang without a time budget: each hanging candidate costs the timeout
+
+
+def hang_bound(args, found) -> float | None:
+    """Seconds minimising ``found`` may take: a hang's candidates that still hang each cost the
+    call timeout, so minimising one is bounded by the command's time budget (``--seconds``) or
+    ``MINIMISE_HANG_SECONDS``; any other find is minimised until no pass applies."""
+    if found.failure is None or found.failure.kind != "target-hang":
+        return None
+    budget = vars(args).get("seconds")
+    return budget if budget is not None else MINIMISE_HANG_SECONDS
+
+
 def minimise_find(args, found, supervisor):
     """Minimise with a progress line, each candidate in ``supervisor``'s worker; Ctrl-C keeps
     the best so far. Returns (trace, interrupted)."""
     from kvprop.repro.minimise import minimiser_for
 
     last = [time.monotonic()]
+    bound = hang_bound(args, found)
+    if bound is not None:
+        say(
+            args,
+            f"  minimising a hang: each candidate that still hangs takes the call timeout "
+            f"({supervisor.call_timeout:g}s); at most {bound:g}s, then the smallest so far is kept",
+        )
 
     def progress(best, replays):
         if time.monotonic() - last[0] >= PROGRESS_EVERY:
@@ -152,8 +185,12 @@ def minimise_find(args, found, supervisor):
             device=args.device,
             progress=progress,
             executor=lambda trace: supervisor.execute(trace).failure,
+            deadline=None if bound is None else time.monotonic() + bound,
         )
-        return minimiser.run(), False
+        best = minimiser.run()
+        if minimiser.out_of_time:
+            say(args, f"  minimising stopped at its {bound:g}s bound: the smallest trace so far is kept")
+        return best, False
     except KeyboardInterrupt:
         return (minimiser.best if minimiser is not None else found), True
 

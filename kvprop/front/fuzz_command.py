@@ -23,9 +23,9 @@ from kvprop.front.commands import (
     say,
     supervisor_for,
 )
+from kvprop.search import FUZZ_SECONDS
 from kvprop.search.signature import read_triaged, signature_of
 
-DEFAULT_SECONDS = 60.0  # the time budget of a search given no budget at all
 NO_TIME_LIMIT = 1e9  # seconds (some 30 years): a run budget alone is never cut short by the clock
 # --json's verdict for each exit of a search; exit 2 is a search that ran too little to call clean
 VERDICTS = {EXIT_CLEAN: "clean", EXIT_FOUND: "found", EXIT_USAGE: "untested", EXIT_INTERRUPTED: "interrupted"}
@@ -33,11 +33,11 @@ VERDICTS = {EXIT_CLEAN: "clean", EXIT_FOUND: "found", EXIT_USAGE: "untested", EX
 
 def time_budget(args) -> float | None:
     """``--seconds``; without it, none when ``--max-runs`` gives a run budget (the run count
-    asked for is the run count made, however slow the machine), else ``DEFAULT_SECONDS``."""
+    asked for is the run count made, however slow the machine), else ``FUZZ_SECONDS``."""
     given = getattr(args, "seconds", None)
     if given is not None:
         return given
-    return None if args.max_runs is not None else DEFAULT_SECONDS
+    return None if args.max_runs is not None else FUZZ_SECONDS
 
 
 def _budget(args) -> str:
@@ -72,8 +72,11 @@ def cmd_fuzz(args) -> int:
     else:
         with supervisor_for(args, args.variant, args.target) as supervisor:
             dead = supervisor.probe()
-        if dead is not None:  # the target died or hung while being built: a find before any search
-            return _report_find(args, fuzz.FuzzResult(dead, 0, 0, 0.0, frozenset(), 0.0), out, _summary(args, None))
+        if dead is not None:  # the target died or hung while being built: a find before any search, on disk at once
+            path = counterexample.write_found(dead, out, counterexample.name_for(dead))
+            say(args, f"found {dead.failure.kind} while building the target; saved {path}")
+            took = time.monotonic() - args.started
+            return _report_find(args, fuzz.FuzzResult(dead, 0, 0, took, frozenset(), took), out, _summary(args, None))
         if args.canary:
             _canary(args)
     opts = fuzz.FuzzOptions(
@@ -92,6 +95,7 @@ def cmd_fuzz(args) -> int:
         triaged=triaged,
         call_timeout=args.call_timeout,
         max_memory=args.max_memory,
+        build_timeout=args.build_timeout,
     )
     saved: dict = {}
 
@@ -341,6 +345,7 @@ def _canary(args) -> None:
         canary=True,
         call_timeout=args.call_timeout,
         max_memory=args.max_memory,
+        build_timeout=args.build_timeout,
     )
     result = fuzz.search(opts)
     if result.found is None:

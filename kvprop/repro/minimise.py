@@ -7,6 +7,7 @@ violation, until no single removal or simplification fails any more.
 
 from __future__ import annotations
 
+import time
 from functools import partial
 
 import attrs
@@ -35,6 +36,7 @@ class Minimiser:
         max_replays: int = 20_000,
         progress=None,
         executor=None,
+        deadline: float | None = None,
     ):
         self.best = trace
         self.signature = signature
@@ -45,6 +47,8 @@ class Minimiser:
         # executor(trace) -> Failure | None; kvprop's commands pass a supervised worker's
         # (kvprop.search.supervisor), so that a candidate that kills the target is judged, not fatal
         self.executor = executor or self._in_process
+        self.deadline = deadline  # time.monotonic() past which no candidate runs (a hang's replays cost its timeout)
+        self.out_of_time = False
 
     def _in_process(self, candidate: Trace) -> Failure | None:
         return execute(candidate, variant=self.variant, target=self.target, device=self.device)
@@ -52,6 +56,9 @@ class Minimiser:
     def fails(self, candidate: Trace) -> Failure | None:
         """The candidate's failure if it fails the same way (same kind, same exception), else None."""
         if self.replays >= self.max_replays:
+            return None
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            self.out_of_time = True
             return None
         interrupt.check()
         self.replays += 1
@@ -235,9 +242,12 @@ def _simpler_configs(config):
                 yield _with_allocator(config, groups=new)
 
 
-def minimiser_for(trace: Trace, variant=None, target=None, device=None, progress=None, executor=None) -> Minimiser:
-    """A minimiser for ``trace``, which must fail (ValueError otherwise)."""
-    minimiser = Minimiser(trace, None, variant, target, device, progress=progress, executor=executor)
+def minimiser_for(
+    trace: Trace, variant=None, target=None, device=None, progress=None, executor=None, deadline=None
+) -> Minimiser:
+    """A minimiser for ``trace``, which must fail (ValueError otherwise); past ``deadline`` (a
+    ``time.monotonic()`` value) it runs no more candidates and returns the best so far."""
+    minimiser = Minimiser(trace, None, variant, target, device, progress=progress, executor=executor, deadline=deadline)
     first = minimiser.executor(trace)
     if first is None:
         raise ValueError("the trace passes; nothing to minimise")

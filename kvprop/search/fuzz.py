@@ -68,6 +68,7 @@ class FuzzOptions:
     triaged: frozenset = frozenset()  # walk driver: so are finds of these signatures (kvprop.search.signature)
     call_timeout: float = CALL_TIMEOUT  # seconds a worker may go without progress before it is a target-hang
     max_memory: float = MAX_MEMORY_MIB  # MiB a worker may hold before it is a target-oom
+    build_timeout: float | None = None  # the same while it imports or builds the target (None: call_timeout)
 
 
 @attrs.frozen
@@ -272,9 +273,17 @@ def _worker(index, opts, out, stop, limit, parent, first, files):
 
 
 def _from_store(opts: FuzzOptions, store, status) -> Trace | None:
-    """A trace another machine stored that still fails here, if any."""
-    with sv.Supervisor(opts.target, opts.variant, opts.device, opts.call_timeout) as supervisor:
-        return _first_failing(store.traces(), supervisor, status)
+    """A trace another machine stored that still fails here and is not triaged here, if any."""
+    with sv.Supervisor(
+        opts.target, opts.variant, opts.device, opts.call_timeout, build_timeout=opts.build_timeout
+    ) as supervisor:
+        return _first_failing(_untriaged(opts, store.news()), supervisor, status)
+
+
+def _untriaged(opts: FuzzOptions, traces: list[Trace]) -> list[Trace]:
+    """The traces from the shared store that would end this search: a find another machine
+    pushed that this campaign has triaged (``--known``, ``--triaged``) does not."""
+    return [trace for trace in traces if not is_known(opts, trace)]
 
 
 def _first_failing(traces, supervisor, status) -> Trace | None:
@@ -295,28 +304,28 @@ def search(opts: FuzzOptions, status=None, on_find=None, started: float | None =
     that dies or hangs is a find (``kvprop.search.supervisor``); one that hits an error of
     kvprop itself raises ``WorkerCrash``; a target that cannot be used raises ``TargetError``;
     a search the target made impossible raises ``Unusable``. With ``opts.redis``, stored traces
-    for this target are replayed first, a find is pushed for the other machines, and a find
-    pushed by another machine ends this search too."""
+    for this target are replayed first, every find is pushed for the other machines, and a
+    find pushed by another machine ends this search too, unless it is triaged here; Redis lost
+    mid-search leaves the search going on locally (``kvprop.search.store``)."""
+    from kvprop.search.store import TraceStore, sharing
+
     start = time.monotonic() if started is None else started
     store = None
     if opts.redis:
-        from kvprop.search.store import TraceStore
-
-        store = TraceStore(opts.redis, opts.target, opts.variant)
+        store = TraceStore(opts.redis, opts.target, opts.variant, say=status)
         known = _from_store(opts, store, status)
         if known is not None:
             if on_find:
                 on_find(known, None)
             return FuzzResult(known, 0, 0, time.monotonic() - start, frozenset(), 0.0, shared=True)
-        seen = len(store)
     files = Path(tempfile.mkdtemp(prefix="kvprop-fuzz-"))
     try:
-        return _search(opts, status, on_find, start, store, seen if store is not None else 0, files)
+        return _search(opts, status, sharing(on_find, store), start, store, files)
     finally:
         shutil.rmtree(files, ignore_errors=True)
 
 
-def _search(opts: FuzzOptions, status, on_find, start: float, store, seen: int, files: Path) -> FuzzResult:
+def _search(opts: FuzzOptions, status, on_find, start: float, store, files: Path) -> FuzzResult:
     ctx = mp.get_context("fork") if sys.platform.startswith("linux") else mp.get_context("spawn")
     out, stop, limit = ctx.Queue(), ctx.Event(), ctx.Value("q", NO_LIMIT)
     parent = os.getpid()
@@ -361,8 +370,9 @@ def _search(opts: FuzzOptions, status, on_find, start: float, store, seen: int, 
                 last_status = time.monotonic()
                 if status:
                     status(tally.status_line(time.monotonic() - start))
-                if store is not None and not tally.found and len(store) > seen:
-                    tally.take(store.traces(seen)[0], time.monotonic() - start)
+                theirs = _untriaged(opts, store.news()) if store is not None and not tally.found else []
+                if theirs:
+                    tally.take(theirs[0], time.monotonic() - start)
                     shared = True
     except KeyboardInterrupt:
         interrupted = True
@@ -390,8 +400,6 @@ def _search(opts: FuzzOptions, status, on_find, start: float, store, seen: int, 
     if status and not interrupted:
         status(tally.status_line(elapsed))
     found = tally.found_trace()
-    if found is not None and store is not None and not shared:
-        store.push(found)
     return FuzzResult(
         found,
         tally.runs,
@@ -423,9 +431,10 @@ def _judge_workers(
             continue
         hung = oom = None
         if p.is_alive():
-            idle, grace = sv.idle_for(files / f"w{index}.journal", spawned[index], now)
+            build = opts.call_timeout if opts.build_timeout is None else opts.build_timeout
+            idle = sv.hung_for(files / f"w{index}.journal", spawned[index], now, opts.call_timeout, build)
             held = resident_mib(p.pid)
-            if idle <= (grace or opts.call_timeout) and held <= opts.max_memory:
+            if idle is None and held <= opts.max_memory:
                 continue
             p.kill()
             if held > opts.max_memory:

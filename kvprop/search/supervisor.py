@@ -84,7 +84,7 @@ def judge(
             what = f"held {oom[0]:,.0f} MiB, past the bound of {oom[1]:,.0f} MiB (--max-memory),"
         raise TargetError(f"the worker running the target {what} before it began a run")
     where = {
-        "build": "while building the target (its import or factory)",
+        "build": "while building the target (its import or factory)",  # kvprop.front.commands.BUILDING
         "drain": "in the final drain",
         "operation": f"in operation {run.step}",
     }[run.phase]
@@ -142,6 +142,24 @@ def begun(path: Path) -> bool:
         return os.stat(path).st_size > 0
     except OSError:
         return False
+
+
+def hung_for(path: Path, started: float, now: float, call_timeout: float, build_timeout: float) -> float | None:
+    """Seconds a worker has gone without progress, if that makes it hung, else None: past
+    ``START_GRACE`` before its first run, past ``build_timeout`` while it builds the target (its
+    import or factory: importing an engine takes seconds on a loaded machine), past
+    ``call_timeout`` in an operation or the drain."""
+    idle, grace = idle_for(path, started, now)
+    if idle <= (grace or min(call_timeout, build_timeout)):
+        return None
+    if not grace and idle <= max(call_timeout, build_timeout):
+        from kvprop.search import journal as jn
+
+        run = jn.read(path)
+        limit = build_timeout if run is not None and run.phase == "build" else call_timeout
+        if idle <= limit:
+            return None
+    return idle
 
 
 def idle_for(path: Path, started: float, now: float) -> tuple[float, float]:
@@ -370,9 +388,11 @@ class Supervisor:
         call_timeout: float = CALL_TIMEOUT,
         fresh: bool = False,
         max_memory: float = MAX_MEMORY_MIB,
+        build_timeout: float | None = None,
     ):
         self.target, self.variant, self.device = target, variant, device
         self.call_timeout = call_timeout
+        self.build_timeout = call_timeout if build_timeout is None else build_timeout  # importing, building
         self.max_memory = max_memory  # MiB the worker may hold before it is a target-oom
         self.fresh = fresh  # the worker starts a new interpreter (spawn) instead of a fork of this one
         self.dir = Path(tempfile.mkdtemp(prefix="kvprop-worker-"))
@@ -438,11 +458,11 @@ class Supervisor:
                         return self.conn.recv()
                 self.proc.join()
                 return self._died(exitcode=self.proc.exitcode)
-            idle, grace = idle_for(self.journal_path, started, time.time())
-            if idle > (grace or self.call_timeout):
+            hung = hung_for(self.journal_path, started, time.time(), self.call_timeout, self.build_timeout)
+            if hung is not None:
                 self.proc.kill()
                 self.proc.join()
-                return self._died(hung=idle)
+                return self._died(hung=hung)
             held = resident_mib(self.proc.pid)
             if held > self.max_memory:
                 self.proc.kill()
