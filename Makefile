@@ -14,9 +14,9 @@ all: test
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@echo "installing kvprop and its dependencies into $(VENV) (torch is the CPU build, see constraints.txt)"
-	@$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,redis,lint,ray]' 2>&1 \
-		| grep -v "is ignored: it is neither a file nor a directory" || true
+	@echo "installing kvprop and its dependencies into $(VENV) (torch is the CPU build, see constraints.txt): a few minutes, a line per package"
+	@$(BIN)/python -m pip install --progress-bar off --disable-pip-version-check -c constraints.txt -e '.[test,redis,lint,ray]' 2>&1 \
+		| grep --line-buffered -E "^(Collecting|Installing|Successfully|ERROR|error)" || true
 	@$(BIN)/python -c "import kvprop, torch, hypothesis; print('kvprop', kvprop.__version__, '| torch', torch.__version__, '| hypothesis', hypothesis.__version__)"
 	@touch $@
 

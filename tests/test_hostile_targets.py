@@ -325,3 +325,24 @@ def test_a_factory_that_never_returns_is_saved_before_minimising_and_minimised_w
         True,
     ), said
     assert "FAILED at building the target" in said, said
+
+
+# ---- a verdict never depends on what an earlier run left in the worker -----------------------------
+
+LEAKS_STATE = "import builtins\nBUILT = []"  # a module global that outlives a run in its process
+
+
+def test_a_target_whose_behaviour_depends_on_earlier_runs_gives_finds_that_replay(tmp_path):
+    """The target crashes only in the first allocator its process builds: in a reused worker the
+    find would pass when minimised or replayed; each run in a fresh fork of the worker fails alike."""
+    target = write_target(
+        tmp_path,
+        at_import=LEAKS_STATE,
+        in_factory="BUILT.append(1)",
+        in_call="if len(BUILT) % 2 == 1: raise RuntimeError('first build only')",
+    )
+    r = fuzz(tmp_path, target)
+    replayed = kvprop(tmp_path, "replay", str(minimised(tmp_path)), "--target", target)
+    assert (r.returncode, json.loads(r.stdout)["find"]["kind"], replayed.returncode) == (1, "target-crash", 1), (
+        r.stdout + r.stderr + replayed.stdout
+    )

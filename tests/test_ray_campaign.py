@@ -1,6 +1,7 @@
 """A walk campaign as Ray tasks has the process pool's finds for the same seed and run budget,
-loses no find and counts no run twice when a worker is lost, saves its finds on Ctrl-C, and
-refuses to start (exit 2) where it cannot run. One local Ray instance with 2 CPUs for the module."""
+loses no find and counts no run twice when a worker is lost (and says so, with stdout left to
+its JSON document), saves its finds on Ctrl-C, and refuses to start (exit 2) where it cannot
+run or Ray ends its driver. One local Ray instance with 2 CPUs for the module."""
 
 from __future__ import annotations
 
@@ -152,3 +153,70 @@ def test_the_campaign_s_status_names_runs_per_second_per_node_finds_and_eta(clus
     assert [("runs/s" in s, f"({node} " in s, "finds 0 | known" in s, "ETA 0s" in s) for s in lines[-1:]] == [
         (True, True, True, True)
     ]
+
+
+# `kvprop fuzz` (argv[1:]) whose second batch loses its Ray worker (SIGKILL) as it starts, as in
+# test_a_worker_killed_mid_campaign_loses_no_find_and_counts_no_run_twice, but through the CLI.
+KILL_THE_SECOND_BATCH_S_WORKER = """
+import functools, os, signal, sys
+from kvprop.front.cli import main
+from kvprop.search import ray_campaign as rc
+
+started = []
+
+
+def kill_the_second(pid, node):
+    started.append(pid)
+    if len(started) == 2:
+        os.kill(pid, signal.SIGKILL)
+
+
+rc.campaign = functools.partial(rc.campaign, on_started=kill_the_second)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def json_campaign_losing_a_worker(cluster, tmp_path_factory):
+    """``kvprop fuzz --ray --json`` on the module's cluster whose second batch loses its worker: the
+    finished process (stdout and stderr apart)."""
+    out = tmp_path_factory.mktemp("json-out")
+    argv = [
+        "fuzz", f"--ray={cluster}", "--json", "--variant", VARIANT, "--known", ",".join(sorted(KINDS)),
+        "--seed", str(SEED), "--max-runs", str(RUNS), "--ray-batch", str(BATCH), "--out", str(out),
+    ]  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", KILL_THE_SECOND_BATCH_S_WORKER, *argv], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_json_stdout_is_one_document_after_a_lost_worker(json_campaign_losing_a_worker):
+    p = json_campaign_losing_a_worker
+    summary = json.loads(p.stdout)
+    assert (p.returncode, summary["verdict"], summary["ray"]["requeued_batches"]) == (0, "clean", 1), p.stderr
+
+
+def test_the_summary_says_how_many_batches_ran_again_and_why(json_campaign_losing_a_worker):
+    lines = json_campaign_losing_a_worker.stderr.splitlines()
+    assert [line for line in lines if "run again from" in line] == [
+        "1 batch run again from its first run (a Ray worker lost: 1)"
+    ]
+
+
+def drive_then(end: str) -> subprocess.CompletedProcess:
+    """A process that goes on as the Ray driver's child (``ray_fuzz.drive_in_child``) and then ends by ``end``."""
+    code = (
+        "import os, sys, types; from kvprop.front import ray_fuzz; "
+        f"ray_fuzz.drive_in_child(types.SimpleNamespace(command='fuzz', json=False)); {end}"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+def test_a_driver_that_ray_ends_is_exit_2_naming_ray():
+    p = drive_then("os._exit(1)")  # as Ray's core library ends a driver whose raylet died as it connected
+    assert (p.returncode, "Ray ended kvprop's Ray driver" in p.stderr) == (2, True)
+
+
+def test_a_driver_that_kvprop_ends_keeps_its_exit_status():
+    p = drive_then("sys.exit(1)")
+    assert (p.returncode, p.stderr) == (1, "")

@@ -111,25 +111,38 @@ def throughput(quick: bool) -> list[dict]:
     return rows
 
 
+ISOLATED_TARGET = "examples.toy_allocator:TARGET"  # a user's target: its runs each run in a fresh fork
+
+
 def supervision(quick: bool) -> list[dict]:
     """The same walks (seeds of run seed 0, worker 0) run in this process and in a supervised
     worker (``kvprop.search.supervisor``: the journal of each operation, the target's output to
-    a log, the parent watching), checks on: what running target code apart costs."""
+    a log, the parent watching), checks on: what running target code apart costs; for kvprop's
+    own allocator, whose runs share the worker, and for a user's target, whose runs each run in
+    a fresh fork of it (``kvprop.search.isolation``)."""
+    rows: list[dict[str, Any]] = []
+    for target in (None, ISOLATED_TARGET):
+        rows += _supervision_rows(60 if quick else 300, target)
+    return rows
+
+
+def _supervision_rows(runs: int, target: str | None) -> list[dict[str, Any]]:
     from kvprop.search.walk import walk_seed
 
-    runs = 60 if quick else 300
-    _progress(f"supervision: {runs} walks in this process")
+    name = target or "kvprop"
+    _progress(f"supervision: {runs} walks on {name} in this process")
     steps, start = 0, time.perf_counter()
     for i in range(runs):
-        steps += run_walk(walk_seed(0, i)).steps_run
+        steps += run_walk(walk_seed(0, i), target=target).steps_run
     in_process = time.perf_counter() - start
-    _progress(f"supervision: the same {runs} walks in a supervised worker")
+    apart = "supervised worker, a fork per run" if target else "supervised worker"
+    _progress(f"supervision: the same {runs} walks in a {apart}")
     start = time.perf_counter()
-    result = fuzz.search(fuzz.FuzzOptions(seconds=3600, workers=1, seed=0, max_runs=runs))
+    result = fuzz.search(fuzz.FuzzOptions(seconds=3600, workers=1, seed=0, max_runs=runs, target=target))
     supervised = time.perf_counter() - start
     rows: list[dict[str, Any]] = [
-        {"where": "this process", "walks": runs, "steps": steps, "seconds": round(in_process, 2)},
-        {"where": "supervised worker", "walks": result.runs, "steps": result.steps, "seconds": round(supervised, 2)},
+        {"target": name, "where": "this process", "walks": runs, "steps": steps, "seconds": round(in_process, 2)},
+        {"target": name, "where": apart, "walks": result.runs, "steps": result.steps, "seconds": round(supervised, 2)},
     ]
     for row in rows:
         row["steps_per_s"] = round(row["steps"] / row["seconds"]) if row["seconds"] else None
@@ -453,7 +466,7 @@ def main(
 ) -> dict:
     """The tables of ``parts`` (printed as each is measured unless ``as_json``), written as a
     markdown document to ``markdown`` if given; returned for ``--json``."""
-    from kvprop.front.commands import unwritable_is_usage
+    from kvprop.front.output_paths import unwritable_is_usage
 
     funcs = {
         "startup": startup,

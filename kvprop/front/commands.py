@@ -3,10 +3,8 @@ and the helpers they share; ``kvprop.front.cli`` parses and maps outcomes to exi
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import re
 import shlex
 import shutil
 import sys
@@ -19,6 +17,7 @@ import attrs
 from kvprop import __version__
 from kvprop.errors import ConfigError
 from kvprop.exits import EXIT_CLEAN, EXIT_FOUND, EXIT_INTERRUPTED
+from kvprop.front.output_paths import unwritable_is_usage, writable_file, writable_folder
 
 PROGRESS_EVERY = 1.0
 
@@ -33,45 +32,6 @@ def print_json(args, value) -> None:
     one of its own (the exit code and the error) for a run that ends without it."""
     print(json.dumps(value, indent=1), flush=True)
     args.printed_json = True
-
-
-def writable_folder(path, option: str) -> Path:
-    """``path`` as a folder kvprop can write into, created if missing; checked before the work
-    that fills it, so that an unwritable one is unusable input (exit 2) naming it, not an error
-    of kvprop at the end of a long run."""
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"{option} {str(path)!r} is a file; give a directory")
-    with unwritable_is_usage(path, option):
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".kvprop-write-check-"):
-            pass
-    return path
-
-
-def writable_file(path, option: str, make_folder: bool = True) -> Path:
-    """``path`` as a file kvprop can write: not a folder, in a folder it can write into (created
-    if missing when ``make_folder``); checked before the work whose result it takes."""
-    path = Path(path)
-    if path.is_dir():
-        raise ConfigError(f"{option} {str(path)!r} is a directory; give a file's path")
-    if not make_folder and not path.parent.is_dir():
-        raise ConfigError(f"{option} {str(path)!r}: its folder does not exist")
-    with unwritable_is_usage(path, option):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".kvprop-write-check-"):
-            pass
-    return path
-
-
-@contextlib.contextmanager
-def unwritable_is_usage(path, option: str):
-    """A write to a path the user named that fails is unusable input (a ConfigError naming the
-    option and the path), never an error of kvprop itself."""
-    try:
-        yield
-    except OSError as e:
-        raise ConfigError(f"{option} {str(path)!r} cannot be written: {e.strerror or e}") from None
 
 
 BUILDING = "while building the target"  # how a death's judgement places one before any operation
@@ -284,7 +244,6 @@ def cmd_replay(args) -> int:
 
 
 def cmd_minimise(args) -> int:
-    import attrs
 
     trace, variant, target = _load(args, "minimise")
     out = writable_file(args.out or args.file, "--out" if args.out else "the trace")
@@ -308,7 +267,6 @@ def cmd_minimise(args) -> int:
 def _save_or_fall_back(trace, out: Path) -> Path:
     """``trace`` written at ``out``; if that fails, at a new file in the temporary directory,
     said on stderr: a minimised trace is never lost to a path that went bad during the run."""
-    import tempfile
 
     from kvprop.search import trace as tr
 
@@ -324,7 +282,6 @@ def _save_or_fall_back(trace, out: Path) -> Path:
 
 
 def cmd_emit_test(args) -> int:
-    import attrs
 
     from kvprop.repro import regress
     from kvprop.search import trace as tr
@@ -350,104 +307,9 @@ def cmd_variants(args) -> int:
     return EXIT_CLEAN
 
 
-RELEASE_OPTIONS = ("no_junction", "block_hits", "no_checkpoints", "incremental_report", "reference_variant")
-
-
-def _take_release_rules(args) -> str:
-    """``--release-rules``: the options of the installed vLLM release (``release_rules``), in
-    place of the flags, which it refuses beside it rather than merge; returns the line that
-    names them."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from kvprop.targets.protocol import VLLM_TARGETS
-    from kvprop.targets.vllm.loading import INSTALL_HINT
-    from kvprop.targets.vllm.releases import as_flags, release_rules
-
-    given = as_flags(_release_options(args))
-    if given:
-        raise ConfigError(f"--release-rules sets {given} itself: give one or the other")
-    if args.target not in VLLM_TARGETS:
-        raise ConfigError(
-            f"--release-rules applies to the vLLM targets ({', '.join(VLLM_TARGETS)}), not {args.target!r}"
-        )
-    try:
-        installed = version("vllm")
-    except PackageNotFoundError:
-        raise ConfigError(f"--release-rules: vLLM is not installed here; {INSTALL_HINT}") from None
-    numbers = re.match(r"(\d+)\.(\d+)", installed)
-    if numbers is None:
-        raise ConfigError(f"--release-rules: the installed vLLM's version {installed!r} is not MAJOR.MINOR...")
-    rules = release_rules((int(numbers[1]), int(numbers[2])))
-    for name in RELEASE_OPTIONS:
-        setattr(args, name, rules.get(name, None if name == "reference_variant" else False))
-    return f"the rules of vLLM {installed}: {as_flags(rules) or 'no options'}"
-
-
-def _release_options(args) -> dict:
-    return {name: getattr(args, name) for name in RELEASE_OPTIONS}
-
-
-def _agree_flags(args) -> str:
-    """The options this run compared with, as flags (the reproduce line repeats them)."""
-    from kvprop.targets.vllm.releases import as_flags
-
-    return "--release-rules" if args.release_rules else as_flags(_release_options(args))
-
-
-def cmd_agree(args) -> int:
-    from kvprop.search.agree import agree
-    from kvprop.search.supervisor import Died
-
-    if args.target == "kvprop":
-        raise ConfigError("agree compares kvprop's allocator with another target: give --target vllm or pkg.mod:f")
-    rules = _take_release_rules(args) if args.release_rules else None
-    _check_out(args)
-    check_allocator(args.reference_variant, None)  # an unknown name is refused before anything runs
-    check_allocator(None, args.target)
-    say(args, f"kvprop {__version__} agree: kvprop vs {args.target}, walks {args.seed}..{args.seed + args.walks - 1}")
-    if rules is not None:
-        say(args, rules)
-    seeds = range(args.seed, args.seed + args.walks)
-    options = {
-        "target": args.target,
-        "seeds": seeds,
-        "max_ops": args.max_ops,
-        "no_junction": args.no_junction,
-        "block_hits": args.block_hits,
-        "reference_variant": args.reference_variant,
-        "no_checkpoints": args.no_checkpoints,
-        "incremental_report": args.incremental_report,
-    }
-    args.device = None
-    with supervisor_for(args, None, args.target) as supervisor:
-        try:
-            result = supervisor.call(agree, options)
-        except Died as died:
-            return died_find(args, died, "agree")
-    if result.walks == 0:
-        raise ConfigError(
-            f"target {args.target!r} refused all {result.refused} configurations, nothing compared; "
-            f"first refusal: {result.first_refusal}"
-        )
-    d = result.disagreement
-    if args.json:
-        print_json(args, {**attrs.asdict(result), "agree": d is None})
-    elif d is None:
-        print(f"agree: {result.walks} walks, {result.steps:,} steps ({result.refused} configurations refused)")
-    else:
-        reproduce = f"kvprop agree --target {args.target} --seed {d.seed} --walks 1 {_agree_flags(args)}"
-        print(
-            f"DISAGREE at walk seed {d.seed}, operation {d.step} ({d.operation}), {d.what}:\n"
-            f"  kvprop:  {d.reference}\n  {args.target}: {d.target}\n"
-            f"reproduce: {reproduce.rstrip()}"
-        )
-    return EXIT_CLEAN if d is None else EXIT_FOUND
-
-
 def cmd_targets(args) -> int:
     """The registered targets with what each declares; nothing is imported, versions come from
     package metadata."""
-    import attrs
 
     from kvprop.targets.protocol import REGISTRY, version
 

@@ -330,7 +330,7 @@ def measure(
 
         specs = tuple(attrs.asdict(row) for row in census())
     if html_dir is not None:
-        from kvprop.front.commands import unwritable_is_usage
+        from kvprop.front.output_paths import unwritable_is_usage
 
         with unwritable_is_usage(html_dir, "--html"):
             html_dir.mkdir(parents=True, exist_ok=True)

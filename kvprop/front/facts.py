@@ -194,7 +194,7 @@ def refresh(text: str) -> tuple[str, list[str]]:
 
 
 def cmd_facts(args) -> int:
-    from kvprop.front.commands import unwritable_is_usage
+    from kvprop.front.output_paths import unwritable_is_usage
 
     path = Path(args.file) if args.file else DESIGN
     if not path.is_file():

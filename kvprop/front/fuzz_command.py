@@ -281,8 +281,18 @@ def _report_find(args, result, out, summary) -> int:
     with supervisor_for(args, args.variant, args.target) as supervisor:
         if not result.shared:
             say(args, f"\nminimising {len(found.steps)} operations (Ctrl-C keeps the smallest so far) ...")
-            best, interrupted = minimise_find(args, found, supervisor)
+            try:
+                best, interrupted = minimise_find(args, found, supervisor)
+            except ValueError:  # its first replay, in a fresh process, passed
+                say(args, NOT_AGAIN)
         return _write_find(args, result, out, summary, name, best, interrupted, supervisor)
+
+
+NOT_AGAIN = (
+    "  the find did not fail again when replayed in a fresh process, so it is not minimised: the target is "
+    "not deterministic, or its failure depends on what earlier examples left in the worker (the hypothesis "
+    "driver runs them in one process); the trace as found is kept"
+)
 
 
 def _write_find(args, result, out, summary, name, best, interrupted, supervisor) -> int:

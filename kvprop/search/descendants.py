@@ -47,13 +47,14 @@ def lead_own_group() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
-def children() -> list[int]:
-    """The worker's child processes (the target's, and the orphans it adopted), from ``/proc``."""
+def children(pid: int | str = "self") -> list[int]:
+    """The child processes of ``pid`` (by default this worker's: the target's, and the orphans it
+    adopted), from ``/proc``."""
     found: list[int] = []
     with contextlib.suppress(OSError):
-        for task in os.listdir("/proc/self/task"):
-            with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/children") as f:
-                found += [int(pid) for pid in f.read().split()]
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(child) for child in f.read().split()]
     return found
 
 
@@ -82,10 +83,43 @@ def end_group(pid: int | None) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-def resident_mib(pid: int) -> float:
-    """Resident memory of process ``pid`` in MiB (0 where it cannot be read: gone, or no /proc)."""
+def resident_mib(pid: int, bound: float = float("inf")) -> float:
+    """Memory held by worker ``pid`` and every process under it (the fork a run runs in, what the
+    target started), in MiB; a process that cannot be read (gone, or no /proc) counts 0. Read
+    cheaply from each one's resident pages, which count the pages a fork still shares with the
+    worker twice; only past ``bound`` is it read again as proportional shares (PSS), which sum
+    to what the processes hold together."""
+    processes = _under(pid)
+    resident = sum(_read_mib(f"/proc/{p}/statm", _statm_resident) for p in processes)
+    if resident <= bound:
+        return resident
+    return sum(_read_mib(f"/proc/{p}/smaps_rollup", _rollup_pss) for p in processes)
+
+
+def _under(pid: int) -> list[int]:
+    """``pid`` and its descendants."""
+    found: list[int] = []
+    todo = [pid]
+    while todo and len(found) < 4096:
+        process = todo.pop()
+        if process not in found:
+            found.append(process)
+            todo += children(process)
+    return found
+
+
+def _statm_resident(text: str) -> float:
+    return int(text.split()[1]) * PAGE / 2**20
+
+
+def _rollup_pss(text: str) -> float:
+    line = next(line for line in text.splitlines() if line.startswith("Pss:"))
+    return int(line.split()[1]) / 1024  # kB
+
+
+def _read_mib(path: str, parse) -> float:
     try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * PAGE / 2**20
-    except (OSError, ValueError, IndexError):
+        with open(path) as f:
+            return parse(f.read())
+    except (OSError, ValueError, IndexError, StopIteration):
         return 0.0

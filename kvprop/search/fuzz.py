@@ -31,11 +31,12 @@ import attrs
 
 from kvprop import interrupt
 from kvprop.errors import ConfigError, TargetError
-from kvprop.search import CALL_TIMEOUT, MAX_MEMORY_MIB
+from kvprop.search import CALL_TIMEOUT, MAX_MEMORY_MIB, worker_setup
 from kvprop.search import journal as jn
 from kvprop.search import supervisor as sv
 from kvprop.search import trace as tr
 from kvprop.search.descendants import end_group, resident_mib
+from kvprop.search.isolation import in_fresh_fork, isolates
 from kvprop.search.signature import signature_of
 from kvprop.search.tally import Tally
 from kvprop.search.trace import Trace
@@ -118,10 +119,14 @@ def _walk_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: int, f
         if _orphaned(parent):
             return
         seed = walk_seed(opts.seed, i)
-        sv.restart_log()
-        result = run_walk(
-            seed, opts.variant, opts.target, opts.device, opts.max_ops, canary=opts.canary, journal=journal, index=i
-        )
+        worker_setup.restart_log()
+
+        def walk(seed=seed, i=i):
+            return run_walk(
+                seed, opts.variant, opts.target, opts.device, opts.max_ops, canary=opts.canary, journal=journal, index=i
+            )
+
+        result = in_fresh_fork(walk) if isolates(opts.target) else walk()
         runs, steps = runs + 1, steps + result.steps_run
         events |= result.events
         if result.refused is not None:
@@ -150,7 +155,7 @@ def is_known(opts: FuzzOptions, trace: Trace) -> bool:
 
 def _copy_log(files: Path, index: int, i: int) -> str | None:
     """A copy of what the target printed in this run, before the next run's output replaces it."""
-    kept = sv.copy_log(files / f"w{index}.log", files, f"find-w{index}-{i}")
+    kept = worker_setup.copy_log(files / f"w{index}.log", files, f"find-w{index}-{i}")
     return str(kept) if kept else None
 
 
@@ -255,7 +260,7 @@ def _worker(index, opts, out, stop, limit, parent, first, files):
     """A supervised worker (``kvprop.search.supervisor``): its last message is ``exit``; a
     worker that ends without it died, and the parent judges the death."""
     try:
-        sv.enter_worker(files / f"w{index}.log", parent)
+        worker_setup.enter_worker(files / f"w{index}.log", parent)
         worker = _walk_worker if opts.driver == "walk" else _hypothesis_worker
         worker(index, opts, out, stop, limit, parent, first, files)
         out.put(("exit", index))
@@ -266,7 +271,7 @@ def _worker(index, opts, out, stop, limit, parent, first, files):
         out.put(("crash", f"worker {index}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
         out.put(("exit", index))
     except BaseException as e:  # noqa: BLE001 - escaped target code (kvprop's own _Stop never leaves its loop)
-        sv.escaped(e)
+        worker_setup.escaped(e)
 
 
 # ---- the parent ---------------------------------------------------------------------------
@@ -433,7 +438,7 @@ def _judge_workers(
         if p.is_alive():
             build = opts.call_timeout if opts.build_timeout is None else opts.build_timeout
             idle = sv.hung_for(files / f"w{index}.journal", spawned[index], now, opts.call_timeout, build)
-            held = resident_mib(p.pid)
+            held = resident_mib(p.pid, opts.max_memory)
             if idle is None and held <= opts.max_memory:
                 continue
             p.kill()
@@ -457,7 +462,7 @@ def _judge_workers(
             tally.target_error = tally.target_error or str(e)
             continue
         tally.runs, tally.steps = tally.runs + 1, tally.steps + len(found.steps)  # the run it died in
-        log = sv.copy_log(files / f"w{index}.log", files, f"death-w{index}")
+        log = worker_setup.copy_log(files / f"w{index}.log", files, f"death-w{index}")
         walk = walk or 0
         assert found.failure is not None  # judge gives the run the death's failure
         if is_known(opts, found) and opts.driver == "walk":

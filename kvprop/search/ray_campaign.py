@@ -71,6 +71,15 @@ class CampaignResult:
     nodes: dict  # node -> runs counted there
     shared: bool = False  # as FuzzResult: a campaign's find is its own
     deterministic: bool = True  # the reported find is the lowest-index failing run, whatever the timing
+    lost: dict = attrs.field(factory=dict)  # why batches were queued again (what was lost) -> how many
+
+    def requeue_line(self) -> str | None:
+        """The batches run again, and what lost them, for the summary; None when none was."""
+        if not self.requeued:
+            return None
+        why = ", ".join(f"{what}: {n}" for what, n in sorted(self.lost.items()))
+        batches = "1 batch" if self.requeued == 1 else f"{self.requeued} batches"
+        return f"{batches} run again from {'its' if self.requeued == 1 else 'their'} first run ({why})"
 
     @property
     def executed_runs(self) -> int:
@@ -120,8 +129,9 @@ def connect(address: str | None, cpus: int) -> bool:
             ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
         else:
             ray.init(address=address, log_to_driver=False)
-    except (ConnectionError, TimeoutError, RuntimeError, ValueError) as e:
-        raise RayUnavailable(f"--ray {address or ''}: Ray did not start or connect: {e}".replace("  ", " ")) from None
+    except Exception as e:  # noqa: BLE001 - Ray's own processes failed (a raylet or agent died, a timeout): not kvprop's
+        where = f"--ray {address}" if address else "--ray (a local Ray instance)"
+        raise RayUnavailable(f"{where}: Ray did not start or connect: {e}") from None
     interrupt.install()  # Ray's driver turns SIGTERM into SystemExit; kvprop's meaning comes back
     return address is None
 
@@ -234,19 +244,27 @@ def check_nodes(opts: fuzz.FuzzOptions) -> int:
     """Every alive node builds the target, or the campaign does not start (ConfigError naming
     each node and what it lacks): a missing engine is never a find. Returns the CPUs."""
     import ray
+    from ray.exceptions import RayError, RayTaskError
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from kvprop import __version__
 
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    remote = ray.remote(check_node)
-    refs = [
-        remote.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
-            opts.target, opts.variant, opts.device, opts.call_timeout, __version__
-        )
-        for n in nodes
-    ]
-    problems = [p for p in ray.get(refs) if p is not None]
+    try:
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        remote = ray.remote(check_node)
+        refs = [
+            remote.options(
+                num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+            ).remote(opts.target, opts.variant, opts.device, opts.call_timeout, __version__)
+            for n in nodes
+        ]
+        problems = [p for p in ray.get(refs) if p is not None]
+    except RayTaskError:
+        raise  # kvprop's own check failed on a node: an error of kvprop, said as such
+    except RayError as e:  # a raylet, worker or node of Ray's died before the campaign could start
+        raise RayUnavailable(
+            f"--ray: Ray's processes died while the campaign started ({type(e).__name__}: {e})"
+        ) from None
     if problems:
         raise ConfigError(
             f"{len(problems)} of {len(nodes)} Ray nodes cannot run target {opts.target or 'kvprop'}: "
@@ -283,6 +301,7 @@ class _Driver:
     best: int | None = None
     found_at: float | None = None
     requeued: int = 0
+    lost: Counter = attrs.field(factory=Counter)  # what batches lost (LOST's words) -> batches queued again
     nodes: Counter = attrs.field(factory=Counter)
     error: tuple | None = None
 
@@ -324,11 +343,20 @@ class _Driver:
         if budget is not None and rate > 0:
             eta = f" | ETA {max(0.0, (budget - self.runs) / rate):,.0f}s"
         known = f" | known {sum(self.known.values()):,}" if self.known else ""
+        again = f" | batches run again {self.requeued}" if self.requeued else ""
         finds = len(self.finds) - sum(self.known.values())
         return (
             f"[{elapsed:7.1f}s] runs {self.runs:,} | {rate:,.1f} runs/s ({per_node or 'no batch done yet'}) | "
-            f"finds {finds}{known}{eta}"
+            f"finds {finds}{known}{again}{eta}"
         )
+
+
+LOST = {  # what a batch lost, in the summary's words, by the Ray exception that said so
+    "WorkerCrashedError": "a Ray worker lost",
+    "NodeDiedError": "a Ray node lost",
+    "LocalRayletDiedError": "this machine's raylet lost",
+    "OutOfMemoryError": "a Ray worker killed by Ray's memory monitor",
+}
 
 
 def campaign(
@@ -411,6 +439,7 @@ def campaign(
                         )
                         break
                     d.requeued += 1
+                    d.lost[LOST.get(type(e).__name__, type(e).__name__)] += 1
                     waiting.append(batch)
                     waiting.sort(key=lambda b: b.first)
                     continue
@@ -449,4 +478,5 @@ def campaign(
         interrupted,
         d.requeued,
         dict(d.nodes),
+        lost=dict(d.lost),
     )

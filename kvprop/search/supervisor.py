@@ -36,7 +36,9 @@ import attrs
 
 from kvprop.errors import ConfigError, KvpropError, TargetError
 from kvprop.search import CALL_TIMEOUT, MAX_MEMORY_MIB
-from kvprop.search.descendants import die_with_parent, end_descendants, end_group, lead_own_group, resident_mib
+from kvprop.search.descendants import end_group, resident_mib
+from kvprop.search.isolation import in_fresh_fork, isolates
+from kvprop.search.worker_setup import enter_worker, escaped, restart_log
 
 if TYPE_CHECKING:
     from kvprop.search.trace import Failure, Trace
@@ -174,76 +176,6 @@ def idle_for(path: Path, started: float, now: float) -> tuple[float, float]:
 # ---- a worker's set-up ---------------------------------------------------------------------
 
 
-def enter_worker(log_path: Path, parent: int) -> None:
-    """Make this process a worker: the target's output goes to ``log_path``; Ctrl-C is the
-    parent's to handle (so a ``KeyboardInterrupt`` here can only come from target code, and is
-    its crash); the worker dies with the parent, and leads its own process group."""
-    from kvprop.sim import target_calls
-
-    die_with_parent(parent)
-    lead_own_group()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    target_calls.supervised()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-
-
-def restart_log() -> None:
-    """Each run starts with no process of an earlier run left, and its log empty, so the log
-    beside a find is that run's output alone."""
-    end_descendants()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    with contextlib.suppress(OSError):
-        os.ftruncate(1, 0)
-
-
-ESCAPED_STATUS = 70  # a target's own BaseException ended the worker (named in its journal)
-
-
-def escaped(error: BaseException) -> None:
-    """A ``BaseException`` that is not an ``Exception`` escaped target code (its import or
-    factory, or an engine call kvprop does not wrap): kvprop raises none of its own in a worker,
-    so it is the target's. ``SystemExit`` and ``KeyboardInterrupt`` end the worker as the target
-    asked; any other (``asyncio.CancelledError``, a test framework's outcome) is written to the
-    journal first, so that the parent's judgement names it. Either way the death is the target's
-    crash, judged by the parent."""
-    from kvprop.search import journal as jn
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if isinstance(error, SystemExit):
-        code = error.code
-        os._exit(code if isinstance(code, int) and 0 <= code < 256 else 1)
-    if isinstance(error, KeyboardInterrupt):
-        os._exit(128 + signal.SIGINT)
-    if jn.current is not None:
-        with contextlib.suppress(OSError, ValueError):
-            jn.current.raised(error)
-    os._exit(ESCAPED_STATUS)
-
-
-def copy_log(log_path: Path, out: Path, name: str) -> Path | None:
-    """A copy of what the target printed in this run, as ``out/<name>.log``, before the next run
-    truncates the log; None if it printed nothing."""
-    try:
-        if os.path.getsize(log_path) == 0:
-            return None
-        kept = Path(out) / f"{name}.log"
-        shutil.copyfile(log_path, kept)
-        return kept
-    except OSError:
-        return None
-
-
-# ---- single executions ---------------------------------------------------------------------
-
-
 @attrs.frozen
 class Executed:
     """One execution's outcome, as the worker or the parent's judgement gives it."""
@@ -279,19 +211,23 @@ def _serve(conn, target, variant, device, journal_path: Path, log_path: Path, pa
                 from kvprop.search.execute import execute
 
                 trace = tr.from_dict(payload)
-                lines: list = []
-                events: set = set()
-                failure = execute(
-                    trace,
-                    variant=variant,
-                    target=target,
-                    device=device,
-                    on_step=_recorder(lines) if options.get("lines") else None,
-                    checks=options.get("checks", True),
-                    events=events,
-                    journal=journal,
-                )
-                conn.send(("ok", (attrs.asdict(failure) if failure else None, tuple(lines), frozenset(events))))
+
+                def run(trace=trace, options=options):
+                    lines: list = []
+                    events: set = set()
+                    failure = execute(
+                        trace,
+                        variant=variant,
+                        target=target,
+                        device=device,
+                        on_step=_recorder(lines) if options.get("lines") else None,
+                        checks=options.get("checks", True),
+                        events=events,
+                        journal=journal,
+                    )
+                    return attrs.asdict(failure) if failure else None, tuple(lines), frozenset(events)
+
+                conn.send(("ok", in_fresh_fork(run) if isolates(target) else run()))
             except KvpropError as e:  # the target unusable, a configuration refused, a bad trace: raised there
                 conn.send(("error", _portable(e)))
             except Exception as e:  # noqa: BLE001 - an error of kvprop itself, reported to the parent
@@ -463,7 +399,7 @@ class Supervisor:
                 self.proc.kill()
                 self.proc.join()
                 return self._died(hung=hung)
-            held = resident_mib(self.proc.pid)
+            held = resident_mib(self.proc.pid, self.max_memory)
             if held > self.max_memory:
                 self.proc.kill()
                 self.proc.join()
