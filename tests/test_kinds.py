@@ -703,6 +703,14 @@ def test_a_hit_longer_than_the_cache_holds_is_hit_too_long(monkeypatch):
     assert info.value.kind == "hit-too-long"
 
 
+def test_a_hit_covering_the_last_token_says_the_last_token_is_always_computed(monkeypatch):
+    eng = _admitting_engine()
+    monkeypatch.setattr(eng.allocator, "get_computed_blocks", lambda r: ([], r.num_tokens))
+    with pytest.raises(Violation) as info:
+        eng.step()
+    assert (info.value.kind, "its last token is always computed" in str(info.value)) == ("hit-too-long", True)
+
+
 def test_a_refused_malformed_call_that_changed_state_is_misuse_changed_state(monkeypatch):
     eng = _admitting_engine()
     eng.step()

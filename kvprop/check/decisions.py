@@ -270,4 +270,17 @@ def hit_length(engine, request, num_hit: int) -> None:
     if num_hit < expected:
         raise Violation("hit-too-short", f"{said}; the cache map holds {expected}", requests=[request.request_id])
     if num_hit > expected:
-        raise Violation("hit-too-long", f"{said}; the cache map holds only {expected}", requests=[request.request_id])
+        why = _why_shorter(engine, request, num_hit, expected)
+        raise Violation("hit-too-long", f"{said}; {why}", requests=[request.request_id])
+
+
+def _why_shorter(engine, request, num_hit: int, expected: int) -> str:
+    """The rule a hit of ``num_hit`` tokens, longer than ``expected``, breaks, in words."""
+    if not engine.config.allocator.enable_caching:
+        return "prefix caching is off, so nothing is a hit"
+    if num_hit >= request.num_tokens:
+        return (
+            f"a hit covers at most {request.num_tokens - 1} of the request's {request.num_tokens} tokens: "
+            "its last token is always computed, to sample the next one"
+        )
+    return f"the cache map holds only {expected}"
