@@ -14,6 +14,7 @@ the output folder).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import subprocess
 import sys
@@ -22,10 +23,11 @@ from pathlib import Path
 
 import attrs
 
-from kvprop.errors import ConfigError
+from kvprop.errors import ConfigError, KvpropError
 from kvprop.exits import EXIT_CLEAN
 from kvprop.front.choices import REPORTED  # the targets it reports (the parser offers them)
-from kvprop.front.commands import died_find, writable_folder
+from kvprop.front.commands import died_find
+from kvprop.front.output_paths import writable_folder
 from kvprop.repro.report_page import Page, manager_steps, markdown, scheduler_steps
 from kvprop.search.supervisor import Died, Supervisor
 from kvprop.search.trace import Trace
@@ -71,6 +73,7 @@ def cmd_report(args) -> int:
         raise ConfigError(f"--out {str(out)!r} is a file; give a folder")
     if importlib.util.find_spec("vllm") is None:  # looked for, not imported: vLLM runs only in the worker
         raise ConfigError(f"kvprop report needs vLLM importable; {INSTALL_HINT}")
+    created = not out.exists()
     writable_folder(out, "--out" if args.out else "the report folder")
     with Supervisor(trace.target, None, None, args.call_timeout) as supervisor:
         try:
@@ -78,6 +81,11 @@ def cmd_report(args) -> int:
         except Died as died:  # vLLM's process died or hung while replaying: a find of its own
             args.out = str(out)
             return died_find(args, died, "report")
+        except KvpropError:  # refused (the trace does not fail here): no report, so no folder of one
+            if created:
+                with contextlib.suppress(OSError):
+                    out.rmdir()  # only while empty
+            raise
     print(f"wrote {out / 'repro.py'} and {out / 'REPORT.md'}; run: python repro.py (exit 1: the bug is present)")
     return EXIT_CLEAN
 
