@@ -34,6 +34,18 @@ def print_json(args, value) -> None:
     args.printed_json = True
 
 
+def broken_rule(kind: str) -> str | None:
+    """The sentence a violation kind breaks (``kvprop.check.kinds``), shown under its message."""
+    from kvprop.check.kinds import INVARIANTS, KINDS
+
+    found = KINDS.get(kind)
+    return (
+        None
+        if found is None
+        else f"{found.sentence} (invariant {found.invariant}: {INVARIANTS[found.invariant].statement})"
+    )
+
+
 BUILDING = "while building the target"  # how a death's judgement places one before any operation
 
 
@@ -54,6 +66,9 @@ def print_steps(trace, supervisor, out=print, log_to: Path | None = None):
             else "the final drain"
         )
         out(f"  FAILED at {where} ({ORIGINS[failure.origin]})\n  {failure.message}")
+        rule = broken_rule(failure.kind)
+        if rule:
+            out(f"  the rule: {rule}")
         if executed.log is not None and log_to is not None:
             try:
                 shutil.copyfile(executed.log, log_to)

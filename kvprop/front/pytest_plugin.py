@@ -232,13 +232,15 @@ def _report(
     in the run it died in."""
     import shlex
 
+    from kvprop.front.commands import broken_rule
     from kvprop.targets import is_builtin
 
     failure = found.failure
     after = f", after {examples} examples" if examples is not None else ""
+    rule = broken_rule(failure.kind)
     head = (
         f"target {target!r}{f' (variant {variant})' if variant else ''} failed {failure.kind} "
-        f"(Hypothesis, profile {profile}{after})\n  {_where(found)}"
+        f"(Hypothesis, profile {profile}{after})\n  {_where(found)}" + (f"\n  the rule: {rule}" if rule else "")
     )
     from kvprop.search.trace import save
 
