@@ -93,6 +93,20 @@ class Journalled:
         return len(self.trace.steps)
 
 
+def building(path: Path) -> bool:
+    """Whether the run a journal describes is still building its target (its header written,
+    nothing after it): read while the worker writes, so it parses no more than the line words."""
+    try:
+        lines = Path(path).read_bytes().split(b"\n")
+    except OSError:
+        return False
+    return (
+        bool(lines)
+        and lines[0].startswith(b"run ")
+        and not any(line.split(b" ", 1)[0] in (b"built", b"op", b"drain") for line in lines[1:])
+    )
+
+
 def read(path: Path) -> Journalled | None:
     """The run a journal describes, or None if the worker died before it began one."""
     from kvprop.search.alphabet import OPERATION_BY_NAME

@@ -157,8 +157,7 @@ def hung_for(path: Path, started: float, now: float, call_timeout: float, build_
     if not grace and idle <= max(call_timeout, build_timeout):
         from kvprop.search import journal as jn
 
-        run = jn.read(path)
-        limit = build_timeout if run is not None and run.phase == "build" else call_timeout
+        limit = build_timeout if jn.building(path) else call_timeout
         if idle <= limit:
             return None
     return idle
@@ -173,7 +172,7 @@ def idle_for(path: Path, started: float, now: float) -> tuple[float, float]:
     return min(now - started, age(path, now)), 0.0
 
 
-# ---- a worker's set-up ---------------------------------------------------------------------
+# ---- single executions ---------------------------------------------------------------------
 
 
 @attrs.frozen
