@@ -225,7 +225,7 @@ def test_a_target_that_dies_or_hangs_fails_its_item_with_a_saved_trace_and_pytes
 ):
     run = kvprop_run(project, target, "--kvprop-examples", "50", "--kvprop-out", "found", *extra)
     saved = [p for p in (project / "found").glob("*.json") if not p.name.endswith(".found.json")]
-    replay = [line for line in run.stdout.splitlines() if line.startswith("replay: kvprop replay ")]
+    replay = {line for line in run.stdout.splitlines() if line.startswith("replay: kvprop replay ")}  # -rA repeats it
     assert (run.returncode, "1 failed, 1 passed" in run.stdout, len(saved), len(replay)) == (1, True, 1, 1), (
         run.stdout + run.stderr
     )

@@ -354,7 +354,7 @@ class _Driver:
 LOST = {  # what a batch lost, in the summary's words, by the Ray exception that said so
     "WorkerCrashedError": "a Ray worker lost",
     "NodeDiedError": "a Ray node lost",
-    "LocalRayletDiedError": "this machine's raylet lost",
+    "LocalRayletDiedError": "the local raylet lost",
     "OutOfMemoryError": "a Ray worker killed by Ray's memory monitor",
 }
 
