@@ -429,7 +429,7 @@ def test_an_interrupt_lost_inside_a_finalizer_still_ends_the_search(monkeypatch)
 
     monkeypatch.setattr(interrupt, "requested", threading.Event())
     interrupt.requested.set()
-    result = fuzz.search(fuzz.FuzzOptions(seconds=600, workers=1, seed=0, driver="walk"))
+    result = fuzz.search(fuzz.FuzzOptions(seconds=60, workers=1, seed=0, driver="walk"))
     assert result.interrupted is True
 
 
