@@ -15,6 +15,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
+from test_hostile_targets import alive
 
 from kvprop.search import trace as tr
 from kvprop.search.execute import execute
@@ -235,12 +236,4 @@ def test_a_target_that_dies_or_hangs_fails_its_item_with_a_saved_trace_and_pytes
 def test_no_process_a_target_forks_outlives_the_session(project):
     run = kvprop_run(project, "my_targets:forks", "--kvprop-examples", "10")
     forked = [int(pid) for pid in (project / "forked.pids").read_text().split()]
-    assert (run.returncode, forked != [], [pid for pid in forked if _alive(pid)]) == (0, True, []), run.stdout
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    assert (run.returncode, forked != [], [pid for pid in forked if alive(pid)]) == (0, True, []), run.stdout

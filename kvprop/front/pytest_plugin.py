@@ -43,15 +43,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _positive_seconds(text: str) -> float:
-    """A finite number above 0 (seconds, or MiB)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return value
+def _seconds(text: str) -> float:
+    from kvprop.front.values import seconds  # when the option is given: this module imports nothing of kvprop
+
+    return seconds(text)
+
+
+def _mebibytes(text: str) -> float:
+    from kvprop.front.values import mebibytes
+
+    return mebibytes(text)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -92,14 +93,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--kvprop-call-timeout",
         metavar="SECONDS",
-        type=_positive_seconds,
+        type=_seconds,
         default=CALL_TIMEOUT,
         help=f"seconds the target may go without progress before it is a target-hang find (default: {CALL_TIMEOUT:g})",
     )
     group.addoption(
         "--kvprop-max-memory",
         metavar="MIB",
-        type=_positive_seconds,
+        type=_mebibytes,
         default=MAX_MEMORY_MIB,
         help=f"resident memory (MiB) the target's worker may hold before it is a target-oom find "
         f"(default: {MAX_MEMORY_MIB})",

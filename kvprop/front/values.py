@@ -83,21 +83,19 @@ def redis_url(text: str) -> str:
     return text
 
 
-def mebibytes(text: str) -> float:
+def _positive(text: str, unit: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of MiB > 0, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number of {unit} > 0, got {text!r}") from None
     if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number of MiB > 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a finite number of {unit} > 0, got {text!r}")
     return value
+
+
+def mebibytes(text: str) -> float:
+    return _positive(text, "MiB")
 
 
 def seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text!r}")
-    return value
+    return _positive(text, "seconds")

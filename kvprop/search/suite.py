@@ -9,39 +9,27 @@ and answers with plain data.
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 PROBE_SEEDS = 64  # sampled configurations tried before the search; one that builds is enough
 
 
 def probe(target: str | None, variant: str | None, journal=None) -> None:
-    """Build engines over sampled configurations until one builds: a target that refuses every
-    one raises a ConfigError with its own first refusal, not Hypothesis's ``Unsatisfiable``."""
+    """Build engines over sampled configurations until one builds (``supervisor.probe_here``): a
+    target that refuses every one raises a ConfigError with its own first refusal, not
+    Hypothesis's ``Unsatisfiable``."""
     from kvprop.errors import ConfigError, TargetError
-    from kvprop.search.alphabet import RandomChooser, sample_config
-    from kvprop.search.supervisor import load_target_here
-    from kvprop.search.trace import Trace
-    from kvprop.targets import build_engine
+    from kvprop.search.supervisor import probe_here
 
-    first_refusal = None
-    shapes = load_target_here(journal, target, variant)
-    for seed in range(PROBE_SEEDS):
-        config = sample_config(RandomChooser(random.Random(seed)), shapes)
-        if journal is not None:
-            journal.begin(Trace(config=config, steps=(), variant=variant, target=target, seed=seed))
-        try:
-            build_engine(config, variant=variant, target=target)
-        except ConfigError as e:
-            first_refusal = first_refusal or str(e)
-            continue
-        except TargetError as e:  # the factory's own code failed: the user's to see, in one line
-            raise TargetError(f"could not build an engine: {e}\n  configuration: {config}") from None
-        return
-    raise ConfigError(
-        f"target {target or 'kvprop'!r} could not build any of {PROBE_SEEDS} sampled configurations; "
-        f"first refusal: {first_refusal}"
-    )
+    try:
+        refusal = probe_here(journal, target, variant, None, PROBE_SEEDS)
+    except TargetError as e:  # the factory's own code failed: the user's to see, in one line
+        raise TargetError(f"could not build an engine: {e}") from None
+    if refusal is not None:
+        raise ConfigError(
+            f"target {target or 'kvprop'!r} could not build any of {PROBE_SEEDS} sampled configurations; "
+            f"first refusal: {refusal}"
+        )
 
 
 def search(target: str | None, variant: str | None, profile: str, examples: int | None, journal=None) -> dict[str, Any]:
