@@ -12,8 +12,8 @@ from kvprop.search.execute import execute
 from kvprop.search.walk import plan, run_walk
 from kvprop.targets.variants import VARIANTS
 
-MAX_WALKS = 200  # per variant; the walker finds each within a few dozen (`kvprop bugs`) but
-# the motivating bug, found at walk seed 181
+MAX_WALKS = 300  # per variant; the walker finds each within a few dozen (`kvprop bugs`) but
+# the motivating bug, found at walk seed 181, and a resume before a stale output, at walk seed 207
 # ... and this engine variant (a hit inside a block, then a chunk saving a checkpoint), first
 # found at walk seed 480, and vLLM's checkpoint over the running state, first found at walk
 # seed 1,945: their replays would cost CI minutes; checkpoint-keyed-late compares the same

@@ -410,6 +410,16 @@ def request_lost_by_scheduler():
     return lambda: drain(eng, checker, max_steps=5)
 
 
+def output_sampled_from_another_prefix():
+    checker = Checker()
+    eng = engine([FullAttention(4)], 8, hooks=checker, pipeline_depth=2)
+    request = eng.add_request(SHARED, 4)
+    eng.step()
+    eng.step()  # the prefill's output is back: its token appended
+    request.tokens[-1] = (request.tokens[-1] + 1) % eng.config.vocab  # an output sampled from another prefix
+    return lambda: checker.check_all(eng)
+
+
 def continued_on_load_in_flight():
     eng = engine([FullAttention(4)], 8, hooks=Checker(), connector="async")
     eng.connector.publish_prefix(SHARED + [3])
@@ -475,6 +485,7 @@ ENGINE_CASES = [
     ("connector-handoff", cached_at_handoff),
     ("connector-write-unowned", freed_during_load),
     ("liveness", request_lost_by_scheduler),
+    ("output-not-continuation", output_sampled_from_another_prefix),
     ("proceeds-before-load", continued_on_load_in_flight),
     ("load-room-short", second_load_without_room),
     ("write-during-save", save_reads_written_block),
@@ -767,6 +778,45 @@ def test_an_event_naming_a_key_never_stored_is_caught(event, kind):
 
 
 EXERCISED |= {"events-diverge", "events-unknown-removal", "events-reannounce-unheld"}
+
+
+# ---- a router's set (17): what a router keeping the events as a set believes ----------------
+
+
+def test_a_key_stored_twice_and_removed_once_is_forgotten_by_a_routers_set():
+    from kvprop.allocator.events import Removed, Stored
+
+    eng, checker = _engine_with_events()
+    checker.check_all(eng)
+    key = min(key for key, _ in eng.view.cache_map_items())
+    eng.allocator.pool.events.extend([Stored(key), Removed(key)])  # a count still holds the key
+    with pytest.raises(Violation) as info:
+        checker.check_all(eng)
+    assert info.value.kind == "router-forgets-resident"
+
+
+class EmptyTier:
+    """An offload tier that holds nothing and announces its keys."""
+
+    publishes = True
+
+    @staticmethod
+    def holds(key) -> bool:
+        return False
+
+
+def test_a_key_announced_on_a_tier_that_lacks_it_is_advertised_absent():
+    from kvprop.allocator.events import CPU, Stored
+
+    eng, checker = _engine_with_events()
+    eng.offload_tier = EmptyTier  # what an engine playing an offload tier's lookup offers
+    eng.allocator.pool.events.append(Stored((7, 0), CPU))
+    with pytest.raises(Violation) as info:
+        checker.check_all(eng)
+    assert info.value.kind == "router-advertises-absent"
+
+
+EXERCISED |= {"router-forgets-resident", "router-advertises-absent"}
 
 
 # ---- state groups (7): the state a step continues from, and where it writes the next ------

@@ -220,12 +220,13 @@ PROBES_LEFT = {
     "kvprop/capabilities.py": (2, "the declaration's own fields"),
     "kvprop/targets/__init__.py": (2, "the attribute the user named; what a registered target names (named)"),
     "kvprop/targets/protocol.py": (5, "a declaration held to its word once at build; the completed view's forwarding"),
-    "kvprop/targets/vllm/config.py": (2, "the installed vLLM release's API"),
+    "kvprop/targets/vllm/config.py": (3, "the installed vLLM release's API"),
     "kvprop/targets/vllm/loading.py": (1, "whether vLLM's block hasher is already set up in this process"),
-    "kvprop/targets/vllm/manager.py": (4, "the installed vLLM release's API, which differs between releases"),
-    "kvprop/targets/vllm/offload.py": (3, "the installed vLLM release's API"),
+    "kvprop/targets/vllm/manager.py": (6, "the installed vLLM release's API, which differs between releases"),
+    "kvprop/targets/vllm/offload.py": (8, "the installed vLLM release's API"),
     "kvprop/targets/vllm/releases.py": (4, "the installed vLLM release's API, which differs between releases"),
-    "kvprop/targets/vllm/scheduler.py": (5, "the installed vLLM release's API"),
+    "kvprop/targets/vllm/scheduler.py": (4, "the installed vLLM release's API"),
+    "kvprop/targets/vllm/batches.py": (1, "the installed vLLM release's API"),
     "kvprop/targets/vllm/view.py": (5, "the installed vLLM release's API, which differs between releases"),
 }
 

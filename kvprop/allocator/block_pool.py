@@ -116,7 +116,10 @@ class BlockPool:
 
     ``changed`` collects the ids of blocks whose count, hash or queue links changed; the
     checker takes it to verify only what moved (the pool never reads it). ``events`` queues
-    the KV cache events (``kvprop.allocator.events``) when they are enabled, else is None.
+    the KV cache events (``kvprop.allocator.events``) when they are enabled, else is None:
+    a key is announced stored when it enters the map and removed when its last block leaves
+    it, so that a router keeping a set of keys holds the map's keys (docs/design.md §4,
+    invariant 17); vLLM announces every block (variant ``announces-every-copy``).
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True, enable_events: bool = False):
@@ -193,8 +196,14 @@ class BlockPool:
         return removed
 
     def _announce_removed(self, keys) -> None:
+        """Announce each of ``keys``, just dropped from a block, that no block holds any more."""
         if self.events is not None:
-            self.events.extend(Removed(key) for key in keys)
+            self.events.extend(Removed(key) for key in keys if key not in self.cached)
+
+    def _announce_stored(self, key: CacheKey, fresh: bool) -> None:
+        """Announce ``key``, just given to a block, if it is ``fresh``: no block held it before."""
+        if self.events is not None and fresh:
+            self.events.append(Stored(key))
 
     def _insert(self, key: CacheKey, block: Block, num_tokens: int | None) -> bool:
         """Cache ``block`` under ``key``; False if it already was. ``num_tokens`` becomes its
@@ -254,9 +263,9 @@ class BlockPool:
                 )
             self._announce_removed(self._remove_keys(block))
         key = (block_hash, group_id)
+        fresh = not self.cached.get(key)
         self._insert(key, block, num_tokens)
-        if self.events is not None:
-            self.events.append(Stored(key))
+        self._announce_stored(key, fresh)
 
     def cache_partial(self, block: Block, unit_hash: int, group_id: int, num_tokens: int, replace: bool = False):
         """Key ``block`` at a hash-unit boundary inside it, ``num_tokens`` into the prefix (vLLM's
@@ -273,9 +282,10 @@ class BlockPool:
             cached = False
         elif not cached and block.key is not None and block.key_tokens is not None and block.key_tokens < num_tokens:
             self._announce_removed(self._remove_keys(block))
+        fresh = not self.cached.get(key)
         self._insert(key, block, num_tokens)
-        if self.events is not None and not cached:
-            self.events.append(Stored(key))
+        if not cached:
+            self._announce_stored(key, fresh)
         return key
 
     def move_keys(self, source: Block, dest: Block) -> None:

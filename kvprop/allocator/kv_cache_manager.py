@@ -107,7 +107,9 @@ class KVCacheManager:
         num_tokens_main_model = total_computed + num_new_tokens
         num_tokens_need_slot = num_tokens_main_model + num_lookahead_tokens
 
-        self.coordinator.remove_skipped_blocks(request_id, total_computed)
+        # on the settled basis: a batch in flight still reads the window below its tokens (vLLM
+        # 0.34.0 ``allocate_slots``: "free on the processed-token basis"); 0 in flight synchronously
+        self.coordinator.remove_skipped_blocks(request_id, max(0, total_computed - request.num_in_flight))
         needed = self.coordinator.count_blocks_to_allocate(
             request_id,
             num_tokens_need_slot,
@@ -141,9 +143,11 @@ class KVCacheManager:
             if value < 0:
                 raise RequestError(f"allocate_slots: {name} must be >= 0, got {value}")
         total = request.num_computed_tokens + num_hit + num_external + num_new_tokens
-        if total > request.num_tokens_with_spec:
+        # with batches in flight, the outputs still to come are tokens too (vLLM's placeholders)
+        known = request.num_tokens_with_spec + request.num_output_placeholders
+        if total > known:
             raise RequestError(
-                f"allocate_slots: {request.request_id!r} has {request.num_tokens_with_spec} tokens with its drafts, "
+                f"allocate_slots: {request.request_id!r} has {known} tokens with its drafts and outputs in flight, "
                 f"but the call covers "
                 f"{total} ({request.num_computed_tokens} computed + {num_hit} hit + {num_external} external + "
                 f"{num_new_tokens} new)"

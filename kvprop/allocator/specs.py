@@ -413,6 +413,7 @@ class AllocatorConfig:
 
 CONNECTOR_MODES = ("off", "sync", "async")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
+MAX_PIPELINE_DEPTH = 3  # vLLM's async scheduler with two pipeline stages schedules three batches ahead
 MAX_SPECULATIVE_TOKENS = 4  # MTP and EAGLE deployments propose 1 to 4 drafts
 
 
@@ -502,6 +503,18 @@ class EngineConfig:
         simpler=(None,),
         draw=lambda choose, config: choose.pick((None, None, None, 1, 2, 4)),
     )
+    pipeline_depth: int = option(
+        1,
+        validator=_int_at_least(1, MAX_PIPELINE_DEPTH),
+        doc="batches in flight at once (vLLM's max_concurrent_batches: 1 synchronous, 2 its asynchronous "
+        "scheduler, 3 that with two pipeline stages): the engine schedules ahead while fewer are in flight and "
+        "completes the oldest when the queue is full (kvprop.sim.pipeline; docs/design.md, 'The pipelined "
+        "scheduler')",
+        types=(int,),
+        absent=1,
+        simpler=(1, 2),
+        draw=None,  # drawn last, by the sampler (kvprop.search.alphabet.pipeline_depth)
+    )
 
     def __attrs_post_init__(self):
         for spec in self.allocator.groups:
@@ -525,6 +538,8 @@ class EngineConfig:
                     f"num_speculative_blocks from num_speculative_tokens), got {spec.speculative_blocks} "
                     f"and {self.speculative_tokens}"
                 )
+        if self.pipeline_depth > 1 and (why := pipeline_problem(self)) is not None:
+            raise ConfigError(f"EngineConfig.pipeline_depth must be 1 {why}, got {self.pipeline_depth}")
         if self.connector != "off" and self.allocator.partial_hits:
             raise ConfigError(
                 f"EngineConfig.connector must be 'off' with hash_unit below the block size, got {self.connector!r}: "
@@ -538,6 +553,24 @@ class EngineConfig:
                 f"connector loads asynchronously and offloads state only where prefix caching keeps it "
                 f"(docs/design.md §3, connector)"
             )
+
+
+def pipeline_problem(config: EngineConfig) -> str | None:
+    """Why ``config`` cannot run with batches in flight as kvprop models it, or None. Drafts under
+    the pipelined scheduler come from the worker as placeholders (vLLM's ``AsyncScheduler``), and a
+    state group's columns move with each step's output, neither modelled yet; lookahead slots are
+    an EAGLE drafter's."""
+    if config.speculative_tokens:
+        return f"with drafts (speculative_tokens={config.speculative_tokens}): drafts in flight are not modelled"
+    if any(isinstance(spec, Mamba) for spec in config.allocator.groups):
+        return "with a Mamba group: its state columns in flight are not modelled"
+    if config.lookahead:
+        return f"with lookahead slots (lookahead={config.lookahead}): an EAGLE drafter's, not modelled in flight"
+    if config.connector != "off":
+        # a load may write a block a batch in flight still writes: vLLM fences the frees then
+        # (defer_block_free, 0.34.0), which kvprop does not model yet
+        return f"with a connector (connector={config.connector!r}): the deferred-free fence is not modelled"
+    return None
 
 
 def without_checkpoints(config: EngineConfig) -> EngineConfig:

@@ -79,7 +79,9 @@ CENSUS: dict[str, dict[str, Judgement]] = {
         "blocks": Setting("the blocks, built once; each block's fields have their own entry"),
         "cached": Judged(MAP),
         "extra_keys": Judged(("cache-map-missing", "cache-map-stale", "hit-too-long")),
-        "events": Judged(("events-diverge", "events-unknown-removal", "events-reannounce-unheld")),
+        "events": Judged(
+            ("events-diverge", "events-unknown-removal", "events-reannounce-unheld", "router-forgets-resident")
+        ),
         "free_queue": PART,
         "null_block": PART,
         "num_blocks": CONFIG,
@@ -187,6 +189,8 @@ CENSUS: dict[str, dict[str, Judgement]] = {
         "retired": Derived("recently ended requests, kept only for the buggy caller's frees of ended requests"),
         "next_id": Derived("the next request id; an id is never reused (a reuse would show as a foreign table)"),
         "events": Derived("counts of the engine events reached, the search's coverage; nothing decides on them"),
+        "batches": Judged(("output-not-continuation", "data-mismatch", "write-to-shared-block", "liveness")),
+        "sched_steps": Derived("a count of the schedules so far, which the decode stagger reads (vLLM's current_step)"),
         "copy_reserve": CONFIG,
         "caches_after_output": CONFIG,
         "tells_steps": Setting("whether the target declares step_notice"),
@@ -207,6 +211,10 @@ CENSUS: dict[str, dict[str, Judgement]] = {
     },
     "Request": {
         "num_computed_tokens": Judged(("table-length", "table-too-short", "data-mismatch", "proceeds-before-load")),
+        "num_in_flight": Judged(("data-mismatch", "null-in-attended-range", "output-not-continuation")),
+        "num_output_placeholders": Judged(("table-length", "table-too-short", "output-not-continuation")),
+        "num_stale": Judged(("output-not-continuation",)),
+        "decode_at": Derived("when a request may decode again with pipeline stages (vLLM's next_decode_eligible_step)"),
         "status": Judged(("liveness", "table-without-admission", "admitted-without-table", "proceeds-before-load")),
         "pending_external": Judged(("table-length", "proceeds-before-load")),
         "load_failed": Judged(("proceeds-before-load",)),
@@ -248,7 +256,9 @@ VIEW: dict[str, Judgement] = {
     "request_block_ids": Judged(TABLES),
     "num_cached_blocks": Judged(CACHED_COUNT),
     # the capabilities' calls (kvprop.capabilities)
-    "take_events": Judged(("events-diverge", "events-unknown-removal", "events-reannounce-unheld")),
+    "take_events": Judged(
+        ("events-diverge", "events-unknown-removal", "events-reannounce-unheld", "router-forgets-resident")
+    ),
     "new_step_starts": Derived("a notice the engine sends; what the target does with it is judged by the rest"),
     "take_kv_cache_block_copies": Judged(("data-mismatch",)),
     "caller_contract": Judged(("misuse-accepted", "misuse-changed-state")),
@@ -257,7 +267,7 @@ VIEW: dict[str, Judgement] = {
     "further_keys": Judged(("cache-map-stale", "hit-too-long")),
     "pending_copies": Judged(("ref-cnt-mismatch",)),
     "take_changes": CHANGE_LOG,
-    "cache_count": Judged(("events-diverge",)),
+    "cache_count": Judged(("events-diverge", "router-advertises-absent", "router-forgets-resident")),
     "raw_tables": Judged(TABLES),
     "has_cache_key": Judged(("hit-too-short",)),
     "records_of": RECORD,

@@ -10,11 +10,13 @@ every run; otherwise every check is a full sweep.
 
 from __future__ import annotations
 
+from kvprop.allocator.events import GPU
 from kvprop.allocator.specs import FullAttention
 from kvprop.check import admission, data, decisions, moments, outcomes, saves, sglang, sglang_data
 from kvprop.check import invariants as inv
 from kvprop.check.events import EventLedger
 from kvprop.check.mirror import Mirror
+from kvprop.check.router import RouterView
 from kvprop.sim.engine import Hooks
 
 
@@ -33,7 +35,9 @@ class Checker(Hooks):
         self.pending_changes: set = set()
         self.num_checks = 0
         self.expected_rows: dict = {}  # cache key -> what a block cached under it must hold
+        self.outputs_checked: dict = {}  # request id -> its tokens judged continuations (invariant 18)
         self.ledger = EventLedger()
+        self.router = RouterView()
         # (block, key) of every cached state block when the step began; None where the mirror
         # notes keys at the step's start instead (step_starts)
         self.states_at_step_start: frozenset | None = frozenset()
@@ -322,9 +326,9 @@ class Checker(Hooks):
         return tables, keys
 
     def check_events(self, engine, incremental: bool = False) -> None:
-        """13, at every drain of the event queue: after each operation (vLLM's scheduler drains
-        it once per step), once the cache map itself has been judged. Incrementally, only the
-        keys the events named or the mirror saw move are compared."""
+        """13 and 17, at every drain of the event queue: after each operation (vLLM's scheduler
+        drains it once per step), once the cache map itself has been judged. Incrementally, only
+        the keys the events named or the mirror saw move are compared."""
         events = engine.take_kv_events()
         moved = set()
         if self.mirror is not None:  # taken even without events, so that it never piles up
@@ -332,10 +336,14 @@ class Checker(Hooks):
         if events is None:
             return
         named = self.ledger.apply(events)
+        believed = self.router.apply(events)
         if incremental and engine.capabilities.change_log:
             self.ledger.compare_keys(engine.view, named | moved)
+            believed[GPU] = believed.get(GPU, set()) | moved
+            self.router.judge(engine.view, engine.offload_tier(), believed)
         else:
             self.ledger.compare(engine.view)
+            self.router.judge(engine.view, engine.offload_tier())
 
     def check_all(self, engine) -> None:
         if not self.enabled:
@@ -347,6 +355,7 @@ class Checker(Hooks):
             if self.num_checks % self.full_every == 0:
                 self._sglang_tree_data(engine)
             return
+        outcomes.continuations(engine, self.outputs_checked)
         if self.incremental(engine) and self.num_checks % self.sweep_interval(engine):
             _, keys, changed = self.check_structure(engine)
             changed |= self.judged_in_step
@@ -406,13 +415,13 @@ def drain(engine, checker: Checker, max_steps: int | None = None, on_step=None) 
         max_steps = 50 + 4 * work * max(1, len(engine.requests))
     steps = repeats = 0
     last = None
-    while engine.requests or (engine.connector is not None and engine.connector.saves):
+    while engine.requests or engine.in_flight() or (engine.connector is not None and engine.connector.saves):
         for rid in list(engine.loading):
             engine.finish_load(rid, ok=True)
             checker.check_all(engine)
         for job_id in list(engine.connector.saves if engine.connector is not None else ()):
             engine.finish_save(job_id, ok=True)
-        if not engine.requests:
+        if not engine.requests and not engine.in_flight():
             break
         if steps >= max_steps or repeats >= STALLED_STEPS:
             outcomes.liveness(engine, steps)

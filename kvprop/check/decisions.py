@@ -40,7 +40,7 @@ def capacity_bounds(
     slots = main + kwargs.get("num_lookahead_tokens", 0)
     generous = conservative = freed = 0
     for g, spec in enumerate(engine.specs):
-        skipped = spec.skipped_tokens(computed) // bs
+        skipped = spec.skipped_tokens(max(0, computed - request.num_in_flight)) // bs  # settled basis
         table = tables[g]
         if isinstance(spec, Mamba) and spec.mode == "align":
             group_hits = hits[g] if hits is not None else ()

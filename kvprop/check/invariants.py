@@ -348,8 +348,10 @@ def check_tables(
         request = engine.requests[rid]
         computed = computed_tokens(request, pending)
         hashes, boundary = request.block_hashes, request.shared_prefix_boundary
-        # rejected drafts keep their slots: a table may reach the drafts of an earlier step
-        lo, reach = cdiv(computed, bs), cdiv(request.num_tokens + speculative + lookahead, bs)
+        # rejected drafts keep their slots: a table may reach the drafts of an earlier step, and
+        # the positions of outputs still in flight (kvprop.sim.pipeline)
+        ahead = speculative + lookahead + request.num_output_placeholders
+        lo, reach = cdiv(computed, bs), cdiv(request.num_tokens + ahead, bs)
         for g, spec in enumerate(specs):
             table = tables.get((rid, g))
             num_cached = view.num_cached_blocks(g, rid)

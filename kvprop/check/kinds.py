@@ -56,6 +56,16 @@ INVARIANTS = {
             "no block is written while a save to the external tier still reads it; the tier offers only what "
             "a completed save delivered",
         ),
+        Invariant(
+            17,
+            "a router replaying the KV cache events (when enabled) as a set of (hash, medium) keys holds exactly "
+            "what each medium holds",
+        ),
+        Invariant(
+            18,
+            "a request's output is what the synchronous scheduler produces: every token is the model's "
+            "continuation of the tokens before it, whatever batches were in flight",
+        ),
     )
 }
 
@@ -138,6 +148,21 @@ KINDS = {
             "tier-offers-unsaved",
             16,
             "every block the tier offers holds its fingerprints: a save that completed delivered it",
+        ),
+        Kind(
+            "router-advertises-absent",
+            17,
+            "every key a router replaying the events as a set holds on a medium is a hit there",
+        ),
+        Kind(
+            "router-forgets-resident",
+            17,
+            "every key a medium holds, and announces, is one a router replaying the events as a set holds",
+        ),
+        Kind(
+            "output-not-continuation",
+            18,
+            "every token a request's output holds is the model's continuation of the tokens before it",
         ),
         Kind(
             "sglang-pool-conservation",

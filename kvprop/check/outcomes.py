@@ -1,6 +1,7 @@
 """What the allocator's answers leave behind: a refused allocation changes nothing but the
 blocks its window skipping freed (invariant 8), and with arrivals stopped every request ends
-(invariant 9).
+(invariant 9), and every output token is the model's continuation of the tokens before it
+(invariant 18).
 
 A refusal is judged on a snapshot of the view taken before the call (``snapshot``,
 ``check_refusal``) or, incrementally, on the request's tables before and after it and the
@@ -100,3 +101,25 @@ def liveness(engine, steps: int | None = None) -> None:
             f"{len(engine.requests)} requests still live {after}: {sorted(engine.requests)}",
             requests=sorted(engine.requests),
         )
+
+
+# ---- 18. outputs ----------------------------------------------------------------------------
+
+
+def continuations(engine, checked: dict) -> None:
+    """18. Every token past a live request's prompt is the one decoding its prefix produces: what
+    the synchronous scheduler appends, a verification's accepted drafts included. With batches in
+    flight an output can come back after its request was preempted and scheduled again; a token
+    sampled from another prefix, appended there, is an output no synchronous step gives.
+    ``checked`` (request id -> tokens judged) keeps each check to the tokens appended since."""
+    for rid, request in engine.requests.items():
+        start = max(checked.get(rid, 0), request.num_prompt_tokens)
+        for i in range(start, request.num_tokens):
+            if request.tokens[i] != request.token_after(i - 1):
+                raise Violation(
+                    "output-not-continuation",
+                    f"{rid!r} holds token {request.tokens[i]} at position {i}, but decoding its first {i} tokens "
+                    f"gives {request.token_after(i - 1)}",
+                    requests=[rid],
+                )
+        checked[rid] = request.num_tokens

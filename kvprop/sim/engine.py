@@ -17,6 +17,7 @@ from kvprop.capabilities import EVERY, Capabilities
 from kvprop.sim.connector import Connector
 from kvprop.sim.hooks import Hooks
 from kvprop.sim.misuse import MISUSES, BuggyCaller
+from kvprop.sim.pipeline import Pipeline
 from kvprop.sim.scheduler import Scheduler, StepReport
 from kvprop.sim.target_calls import TargetCalls
 from kvprop.sim.worker import Worker
@@ -29,7 +30,7 @@ __all__ = [
 ]
 
 
-class Engine(Scheduler, Worker, BuggyCaller):
+class Engine(Pipeline, Scheduler, Worker, BuggyCaller):
     """A simulated server over one allocator: its scheduler, its worker and its buggy caller."""
 
     terms = "blocks"  # judged by kvprop's block invariants; an engine with its own terms names them
@@ -62,3 +63,4 @@ class Engine(Scheduler, Worker, BuggyCaller):
             )
         )
         self._init_scheduler()
+        self._init_pipeline()

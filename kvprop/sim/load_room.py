@@ -1,4 +1,4 @@
-"""How many blocks the loads in flight still take, and whether the pool has room for one more.
+"""How many blocks the loads in flight still take, whether the pool has room for one more, and a load's end.
 
 A mixin of the scheduler (``kvprop.sim.scheduler``). A loading or loaded request holds its
 blocks and cannot be preempted, so an asynchronous load is admitted only where the pool keeps
@@ -9,10 +9,15 @@ step takes (vLLM's in-flight reservation, ``Scheduler._inflight_prefill_reserved
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 from kvprop.allocator.specs import EngineConfig, GroupSpec, cdiv
+from kvprop.errors import RequestError
+from kvprop.sim.connector import Connector
+from kvprop.sim.events import EV_LOAD_FAIL
+from kvprop.sim.hooks import Hooks
 from kvprop.sim.request import Request, Status
 from kvprop.sim.target_calls import TargetCalls
 
@@ -29,6 +34,13 @@ class LoadRoom:
     running: list[Request]
     loading: dict[str, Request]
     loaded: list[Request]
+    admitted_at: dict[str, int]
+    hooks: Hooks
+    connector: Connector | None
+    events: Counter
+    release: Callable[[Request], None]
+    _retire: Callable[[Request, Status], None]
+    _wait_again: Callable[[Request, str], None]
     max_blocks_needed: Callable[[int], int]  # the scheduler's
 
     def blocks_to_finish(self, request: Request) -> int:
@@ -71,3 +83,37 @@ class LoadRoom:
         pool between them with none able to continue."""
         takes = self.max_blocks_needed(num_computed)
         return self.view.num_free_blocks - takes >= self.reserved_for_loads(request) + self.draft_step_blocks()
+
+    def finish_load(self, request_id: str, ok: bool) -> None:
+        """An asynchronous load completes (``ok``) or fails: the request then starts again without
+        the connector ("recompute") or ends with an error ("fail")."""
+        request = self.loading.get(request_id)
+        if request is None:
+            raise RequestError(f"finish_load: no load in flight for {request_id!r}; in flight: {sorted(self.loading)}")
+        connector = self.connector
+        assert connector is not None  # a load in flight is one the connector started
+        load = connector.pending[request_id]
+        if ok:
+            self.hooks.before_load_write(self, request, load.block_ids)
+        connector.finish_load(request_id, ok)
+        del self.loading[request_id]
+        if request.status is Status.ABORTING:
+            self.release(request)
+            self._retire(request, Status.ABORTED)
+        elif ok:
+            request.num_computed_tokens += request.pending_external
+            self.target_calls.cache_blocks(request, request.num_computed_tokens)
+            request.status = Status.LOADED
+            self.loaded.append(request)
+            self.loaded.sort(key=lambda r: self.admitted_at[r.request_id])
+        elif self.config.load_failure_policy == "fail":
+            # vLLM's default policy: the request ends with an error (FINISHED_ERROR)
+            self.release(request)
+            self._retire(request, Status.FAILED)
+            self.events[EV_LOAD_FAIL] += 1
+        else:
+            self.release(request)
+            request.load_failed = True
+            self._wait_again(request, EV_LOAD_FAIL)
+        request.pending_external = 0
+        self.hooks.load_resolved(self, request, ok, load.num_local)

@@ -69,6 +69,10 @@ class Request:
         "registry",
         "spec_token_ids",
         "spec_prefix",
+        "num_in_flight",
+        "num_output_placeholders",
+        "num_stale",
+        "decode_at",
     )
 
     def __init__(
@@ -100,6 +104,13 @@ class Request:
         self.registry = registry
         self.spec_token_ids: list[int] = []  # drafts proposed after the last sampled token, unverified
         self.spec_prefix: list[int] = []  # the rolling prefix hash through each draft
+        # With batches in flight (kvprop.sim.pipeline), as vLLM's Request counts them: tokens
+        # scheduled whose output has not come back (inside num_computed_tokens), outputs still to
+        # come, the in-flight tokens of a preempted incarnation, and the step it may decode again.
+        self.num_in_flight = 0
+        self.num_output_placeholders = 0
+        self.num_stale = 0
+        self.decode_at = 0
         self.extend_tokens(prompt)
 
     def __repr__(self):
@@ -170,6 +181,15 @@ class Request:
     def next_token(self) -> int:
         """The token decoding produces next: a function of the prefix alone."""
         return (self.prefix[-1] >> 17) % self.vocab
+
+    def token_after(self, position: int) -> int:
+        """The token decoding produces after ``position``: what a pass whose last position it is samples."""
+        return (self.prefix[position] >> 17) % self.vocab
+
+    @property
+    def num_settled_tokens(self) -> int:
+        """Computed tokens whose batch has come back: what the blocks hold by now."""
+        return self.num_computed_tokens - self.num_in_flight
 
     def prefix_at(self, position: int) -> int:
         """The rolling hash of the tokens through ``position``, drafts included: what a pass that

@@ -31,7 +31,6 @@ from kvprop.sim.events import (
     EV_ABORT_LOAD,
     EV_CROSS_GROUP,
     EV_EVICT,
-    EV_LOAD_FAIL,
     EV_PREEMPT,
     EV_REHIT,
     EV_SKIP,
@@ -68,6 +67,10 @@ class Scheduler(ChunkRules, LoadRoom):
     _execute: Callable[[StepReport], None]
     _forget_states: Callable[[str], None]
     _settle_states: Callable[[Request, int], None]
+    # the pipeline's (kvprop.sim.pipeline): its batch queue (None synchronously) and its rule
+    batches: Any
+    _decode_waits: Callable[[Request], bool]
+    in_flight: Callable[[], int]
 
     # What an engine whose own scheduler is in charge may not do, as the drivers ask it
     # (kvprop.targets.vllm.scheduler says why for vLLM's): preempt when asked, fail a load.
@@ -207,6 +210,7 @@ class Scheduler(ChunkRules, LoadRoom):
         """``request`` gave its blocks back (``event``: a preemption, a failed load) and waits at
         the head of the queue to start again from nothing computed."""
         request.num_computed_tokens = 0
+        request.num_stale, request.num_output_placeholders = request.num_in_flight, 0  # its output in flight is stale
         request.drop_drafts()
         request.status = Status.WAITING
         self.waiting.appendleft(request)
@@ -223,39 +227,10 @@ class Scheduler(ChunkRules, LoadRoom):
             return None
         return self.target_calls.take_events()
 
-    def finish_load(self, request_id: str, ok: bool) -> None:
-        """An asynchronous load completes (``ok``) or fails: the request then starts again without
-        the connector ("recompute") or ends with an error ("fail")."""
-        request = self.loading.get(request_id)
-        if request is None:
-            raise RequestError(f"finish_load: no load in flight for {request_id!r}; in flight: {sorted(self.loading)}")
-        connector = self.connector
-        assert connector is not None  # a load in flight is one the connector started
-        load = connector.pending[request_id]
-        if ok:
-            self.hooks.before_load_write(self, request, load.block_ids)
-        connector.finish_load(request_id, ok)
-        del self.loading[request_id]
-        if request.status is Status.ABORTING:
-            self.release(request)
-            self._retire(request, Status.ABORTED)
-        elif ok:
-            request.num_computed_tokens += request.pending_external
-            self.target_calls.cache_blocks(request, request.num_computed_tokens)
-            request.status = Status.LOADED
-            self.loaded.append(request)
-            self.loaded.sort(key=lambda r: self.admitted_at[r.request_id])
-        elif self.config.load_failure_policy == "fail":
-            # vLLM's default policy: the request ends with an error (FINISHED_ERROR)
-            self.release(request)
-            self._retire(request, Status.FAILED)
-            self.events[EV_LOAD_FAIL] += 1
-        else:
-            self.release(request)
-            request.load_failed = True
-            self._wait_again(request, EV_LOAD_FAIL)
-        request.pending_external = 0
-        self.hooks.load_resolved(self, request, ok, load.num_local)
+    def offload_tier(self):
+        """The offload tier a router learns of from the events (invariant 17): none, kvprop's
+        connector publishes no events. A target whose tier does returns its lookup."""
+        return None
 
     # ---- scheduling -------------------------------------------------------------------------
 
@@ -309,8 +284,23 @@ class Scheduler(ChunkRules, LoadRoom):
         return None
 
     def step(self) -> StepReport:
+        """One engine step: schedule, execute, take the output; with batches in flight, one turn of
+        the batch queue instead (``kvprop.sim.pipeline``)."""
+        if self.batches is not None:
+            return self.batches.turn(self)
         report = StepReport()
         evictions = self.view.num_evictions if self.capabilities.evictions else 0
+        self._schedule(report)
+        self.hooks.before_execute(self, report)
+        self._execute(report)
+        self._advance(report)
+        if self.capabilities.evictions and self.view.num_evictions > evictions:
+            self.events[EV_EVICT] += 1
+        return report
+
+    def _schedule(self, report: StepReport) -> None:
+        """What runs this step: running requests first (preempting under pressure), then loaded
+        and waiting ones; the block copies the allocator queued."""
         if self.tells_steps:
             self.target_calls.new_step_starts()
         self.hooks.step_starts(self)
@@ -319,7 +309,8 @@ class Scheduler(ChunkRules, LoadRoom):
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             start = request.num_computed_tokens
-            n = self._chunk(request, start, min(request.num_tokens_with_spec - start, budget))
+            left = request.num_tokens_with_spec + request.num_output_placeholders - start
+            n = 0 if self._decode_waits(request) else self._chunk(request, start, min(left, budget))
             if n == 0:
                 i += 1
                 continue
@@ -338,19 +329,29 @@ class Scheduler(ChunkRules, LoadRoom):
         if self.copies_blocks:
             report.copies = self.target_calls.take_kv_cache_block_copies()
             self._flush_saves(dest for _, dest in report.copies)
-        self.hooks.before_execute(self, report)
-        self._execute(report)
-        self._advance(report)
-        if self.capabilities.evictions and self.view.num_evictions > evictions:
-            self.events[EV_EVICT] += 1
-        return report
 
     def _admit(self, report: StepReport, budget: int) -> int:
         budget = self._continue_loaded(report, budget)
         if self.loaded:
             return budget  # the oldest admissions wait for room first: nothing passes them
+        skipped: list[Request] = []
+        try:
+            return self._admit_waiting(report, budget, skipped)
+        finally:
+            self.waiting.extendleft(reversed(skipped))  # back at the head, in their order (vLLM's skip_request)
+
+    @staticmethod
+    def _waits_for_output(request: Request) -> bool:
+        """A preempted request whose output is still in flight waits for it: resuming now could
+        sample a position that output delivers (vLLM 0.34.0 ``Scheduler.schedule``)."""
+        return request.num_stale > 0
+
+    def _admit_waiting(self, report: StepReport, budget: int, skipped: list) -> int:
         while self.waiting and budget > 0:
             request = self.waiting[0]
+            if self._waits_for_output(request):
+                skipped.append(self.waiting.popleft())
+                continue
             hits, num_hit = self._lookup(request)
             self.hooks.after_hit(self, request, hits, num_hit)
             if num_hit:
@@ -430,7 +431,8 @@ class Scheduler(ChunkRules, LoadRoom):
         """What a step that changed nothing leaves the same (None: the step did something). An
         engine step is a function of this state, so a second step with the same signature
         means none will ever change it: the drain judges liveness then."""
-        if report.scheduled or report.admitted or report.preempted or report.finished or self.running or self.loading:
+        busy = self.running or self.loading or self.in_flight()
+        if report.scheduled or report.admitted or report.preempted or report.finished or busy:
             return None
         progress = tuple((r.request_id, r.status, r.num_computed_tokens) for r in self.requests.values())
         return self.view.num_free_blocks, progress

@@ -22,7 +22,7 @@ import attrs
 from kvprop.allocator.specs import AllocatorConfig, Mamba
 from kvprop.capabilities import ANY_SHAPE, EVERY, NONE, Capabilities, Shapes
 from kvprop.errors import ConfigError
-from kvprop.sim.events import EV_EVICT, EV_PREEMPT, EV_REHIT, EVENTS
+from kvprop.sim.events import EV_EVICT, EV_PREEMPT, EV_REHIT, EVENTS, PIPELINE_EVENTS
 
 __all__ = [
     "ANY_SHAPE",
@@ -322,6 +322,8 @@ REGISTRY = {
             shapes="kvprop.targets.vllm.shapes:release_shapes",
             startup="kvprop.targets.vllm.config:check_startup",
             package="vllm",
+            # kvprop's scheduler runs synchronously in front of vLLM's manager here
+            events=tuple(e for e in EVENTS if e not in PIPELINE_EVENTS),
         ),
         Target(
             "vllm-scheduler",

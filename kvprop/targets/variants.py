@@ -13,7 +13,7 @@ import attrs
 
 from kvprop.allocator.block_pool import BlockPool
 from kvprop.allocator.coordinator import HybridCoordinator, UnitaryCoordinator
-from kvprop.allocator.events import Reannounced
+from kvprop.allocator.events import Reannounced, Removed
 from kvprop.allocator.group_managers import (
     FullAttentionManager,
     SingleTypeManager,
@@ -166,6 +166,16 @@ class FreeDuringAsyncLoad(Engine):
         super().abort(request_id)
 
 
+class ResumesBeforeStaleOutput(Engine):
+    """With batches in flight, a preempted request is admitted again while the output of a batch
+    that scheduled it before the preemption is still to come: that output then lands after the
+    resumed prefill has sampled the same position again."""
+
+    @staticmethod
+    def _waits_for_output(request):
+        return False
+
+
 class LoadsUnreserved(Engine):
     """An asynchronous load is admitted whenever it fits, leaving nothing for the loads already
     in flight to finish with (the reservation vLLM added in 0.24.0, ``reserved_blocks``)."""
@@ -281,6 +291,20 @@ class EvictionUnannouncedPool(BlockPool):
             super()._evict(block)
         finally:
             self.events = events
+
+
+class AnnouncesEveryCopyPool(BlockPool):
+    """vLLM's rule (``BlockPool.cache_full_blocks`` and ``_maybe_evict_cached_block``, every
+    release): every block cached under a key announces it stored and every block evicted
+    announces it removed, so one key two blocks hold is stored twice and removed once while
+    the other block keeps it, and a router keeping a set of keys forgets it."""
+
+    def _announce_removed(self, keys):
+        if self.events is not None:
+            self.events.extend(Removed(key) for key in keys)
+
+    def _announce_stored(self, key, fresh):
+        super()._announce_stored(key, True)
 
 
 class RetentionTailShort(SlidingWindowManager):
@@ -494,6 +518,12 @@ VARIANTS = {
             engine=FreeDuringAsyncLoad,
         ),
         Variant(
+            "resumes-before-stale-output",
+            "with batches in flight, a preempted request resumes before its in-flight output has come back",
+            caught_as="output-not-continuation",
+            engine=ResumesBeforeStaleOutput,
+        ),
+        Variant(
             "loads-unreserved",
             "an asynchronous load is admitted without leaving room for the loads in flight to finish",
             caught_as="liveness",
@@ -552,6 +582,12 @@ VARIANTS = {
             "evicting a cached block emits no KV cache removed event",
             caught_as="events-diverge",
             parts=Parts(pool=EvictionUnannouncedPool),
+        ),
+        Variant(
+            "announces-every-copy",
+            "every block cached or evicted under a key announces it, so a key stored twice and removed once is gone",
+            caught_as="router-forgets-resident",
+            parts=Parts(pool=AnnouncesEveryCopyPool),
         ),
         Variant(
             "retention-tail-short",

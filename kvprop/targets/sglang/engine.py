@@ -227,6 +227,13 @@ class SglangEngine(OwnLoopCalls):
     def take_kv_events(self) -> None:
         return None
 
+    def offload_tier(self) -> None:
+        return None
+
+    def in_flight(self) -> int:
+        """Batches in flight: none, SGLang's normal loop processes each batch's result in its turn."""
+        return 0
+
     def stall_signature(self, report: StepReport):
         """A step that ran no batch: the requests waiting and the pool as they stand (SGLang's
         loop is deterministic, so two such steps alike repeat forever); None after a batch."""
