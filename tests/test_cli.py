@@ -212,8 +212,11 @@ def test_agree_with_release_rules_without_vllm_exits_2_and_says_how_to_get_it():
 @pytest.mark.parametrize(
     ("release", "flags"),
     [
-        ((0, 24, 0), "--no-junction --no-checkpoints --incremental-report"),
-        ((0, 30, 0), "--block-hits --no-checkpoints --reference-variant reannounces-every-position"),
+        ((0, 24, 0), "--no-junction --no-checkpoints --incremental-report --reference-variant announces-every-copy"),
+        (
+            (0, 30, 0),
+            "--block-hits --no-checkpoints --reference-variant reannounces-every-position+announces-every-copy",
+        ),
         ((0, 34, 0), f"--reference-variant {RULES_0_33}"),
     ],
 )

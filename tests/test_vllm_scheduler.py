@@ -94,6 +94,10 @@ def known_kinds() -> set:
     # to 0.30.0 a finished load behind a request that cannot fit, from 0.33.0 a speculative
     # step's reservation, in 0.34.0 a failed load at the head of the block holders (liveness)
     kinds |= {"liveness", "connector-handoff"}
+    # in every one, with events on, a key two blocks hold announced per block (a set forgets it
+    # at the first eviction), and where the CPU tier announces its keys, those it keeps through a
+    # reset's AllBlocksCleared
+    kinds.add("router-forgets-resident")
     if (0, 24) <= RELEASE < (0, 30):
         kinds.add("data-mismatch")  # the deepest group's hit taken for all groups
     if RELEASE >= (0, 30):

@@ -228,9 +228,10 @@ def test_state_machine_finds_the_bug_from_scratch():
 @needs_fix
 @pytest.mark.slow
 def test_state_machine_finds_nothing_but_the_triaged_bugs_on_the_fixed_release():
-    """Clean, or stopped by one of the release's triaged finds (docs/findings.md): from 0.30.0 the full
-    report of a window's skipped positions, from 0.33.0 the checkpoint and report finds."""
-    triaged = set()
+    """Clean, or stopped by one of the release's triaged finds (docs/findings.md): in every one a key
+    two blocks hold announced per block (tests/test_vllm_router.py), from 0.30.0 the full report of a
+    window's skipped positions, from 0.33.0 the checkpoint and report finds."""
+    triaged = {"router-forgets-resident"}
     if RELEASE >= (0, 30):
         triaged.add("events-reannounce-unheld")
     if RELEASE >= (0, 33):
@@ -313,7 +314,9 @@ def test_walker_finds_shrinks_and_replays_the_bug():
 @needs_fix
 @pytest.mark.slow
 def test_walker_is_clean_on_the_fixed_release():
-    """Without prefill checkpoints and the full report: their bugs are pinned below."""
+    """Without prefill checkpoints and the full report: their bugs are pinned below. A walk may stop
+    at a key two blocks hold, announced per block, which a router's set forgets (every release;
+    pinned in tests/test_vllm_router.py)."""
     for seed in range(300):
         trace = plan(seed)
         config = without_checkpoints(trace.config)
@@ -322,7 +325,7 @@ def test_walker_is_clean_on_the_fixed_release():
             failure = execute(attrs.evolve(trace, config=config), target="vllm")
         except ConfigError:
             continue  # a shape this release's target refuses
-        assert failure is None, (seed, failure)
+        assert failure is None or failure.kind == "router-forgets-resident", (seed, failure)
 
 
 @pytest.mark.skipif(RELEASE < (0, 30), reason="the full report is new in 0.30.0")

@@ -272,7 +272,8 @@ def _core_configs(config: EngineConfig, vc, max_len: int, recipe: Recipe):
         max_model_len=max_len,
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
-        async_scheduling=False,
+        # the pipelined scheduler with batches in flight (kvprop.sim.pipeline), else the synchronous one
+        async_scheduling=config.pipeline_depth > 1,
     )
     return model, cache, scheduler_config
 
@@ -354,6 +355,8 @@ def build_scheduler(config: EngineConfig, recipe: Recipe | None = None):
                 kv_connector_extra_config={"cpu_bytes_to_use": 2 * alloc.num_blocks * _cpu_block_bytes(sum(page))},
                 kv_load_failure_policy=config.load_failure_policy,
             )
+        if config.pipeline_depth > 2:  # its pipeline stages are set once it is validated (_pipeline)
+            extra["parallel_config"] = recipe.make("parallel_config", vc.ParallelConfig)
         if alloc.enable_kv_cache_events:
             extra["kv_events_config"] = recipe.make(
                 "kv_events_config", vc.KVEventsConfig, enable_kv_cache_events=True, publisher="null"
@@ -376,6 +379,7 @@ def build_scheduler(config: EngineConfig, recipe: Recipe | None = None):
             device_config=recipe.make("device_config", vc.DeviceConfig, device="cpu"),
             **extra,
         )
+        _pipeline(config, vllm_config, recipe)
         kv_cache_config = recipe.make(
             "kv_cache_config",
             v.kvi.KVCacheConfig,
@@ -409,7 +413,7 @@ def build_scheduler(config: EngineConfig, recipe: Recipe | None = None):
         with _environment(recipe.env):
             return recipe.make(
                 "scheduler",
-                s.Scheduler,
+                s.AsyncScheduler if config.pipeline_depth > 1 else s.Scheduler,
                 vllm_config=vllm_config,
                 kv_cache_config=kv_cache_config,
                 structured_output_manager=recipe.make(
@@ -428,3 +432,40 @@ def build_scheduler(config: EngineConfig, recipe: Recipe | None = None):
             f"target 'vllm-scheduler': vLLM {v.version} cannot build a scheduler for {config}: "
             f"{type(e).__name__}: {str(e)[:400]}"
         ) from e
+
+
+def _pipeline(config: EngineConfig, vllm_config, recipe: Recipe) -> None:
+    """The batches a served engine keeps in flight (``batches_in_flight``): with asynchronous
+    scheduling, one more than its pipeline stages in 0.34.0 (two stages for depth 3), as many as
+    its stages with the V1 model runner before (three). A GPU server's start-up leaves asynchronous scheduling on (its
+    executor supports it, ``VllmConfig.__post_init__``); the CPU platform turns it off and a
+    second stage needs a second device, so both are set here after validation, as vLLM's own
+    CPU tests set them (``tests/v1/core/test_deferred_block_free.py``)."""
+    depth = config.pipeline_depth
+    if depth == 1:
+        return
+    recipe.assign(vllm_config.scheduler_config, "async_scheduling", True)
+    # the stages that give ``depth`` by the release's own rule: one fewer (its model runner V2,
+    # 0.34.0's every runner) or as many (the V1 runner before 0.34.0, 0.22.1's executor)
+    batches = batches_in_flight(vllm_config)
+    for stages in (depth - 1, depth) if depth > 2 else ():
+        recipe.assign(vllm_config.parallel_config, "pipeline_parallel_size", stages)
+        batches = batches_in_flight(vllm_config)
+        if batches == depth:
+            break
+    if batches != depth:
+        raise ConfigError(
+            f"target 'vllm-scheduler': this vLLM keeps {batches} batches in flight with asynchronous "
+            f"scheduling and {vllm_config.parallel_config.pipeline_parallel_size} pipeline stages, "
+            f"not pipeline_depth={depth}"
+        )
+
+
+def batches_in_flight(vllm_config) -> int:
+    """The batches the engine core keeps in flight: ``VllmConfig.max_concurrent_batches`` (0.23.0
+    on); before, the executor's (``vllm/v1/executor/multiproc_executor.py``, 0.22.1): two with
+    asynchronous scheduling on one stage, else one per pipeline stage."""
+    if hasattr(type(vllm_config), "max_concurrent_batches"):
+        return vllm_config.max_concurrent_batches
+    stages = vllm_config.parallel_config.pipeline_parallel_size
+    return 2 if stages <= 1 and vllm_config.scheduler_config.async_scheduling else stages

@@ -115,10 +115,15 @@ def import_scheduler() -> SimpleNamespace:
         from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
         from vllm.v1.request import RequestStatus
         from vllm.v1.structured_output import StructuredOutputManager
+    try:  # the pipelined scheduler's class (async_scheduler.py); None where the release lacks it
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    except ImportError:
+        AsyncScheduler = None
     _SCHED = SimpleNamespace(
         v=v,
         config=vc,
         Scheduler=Scheduler,
+        AsyncScheduler=AsyncScheduler,
         DraftTokenIds=DraftTokenIds,
         KVConnectorOutput=KVConnectorOutput,
         ModelRunnerOutput=ModelRunnerOutput,

@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from kvprop.allocator.events import Cleared, Reannounced, Removed, Stored
+from kvprop.allocator.events import GPU, Cleared, Reannounced, Removed, Stored
 from kvprop.allocator.specs import AllocatorConfig
 from kvprop.capabilities import Capabilities
 from kvprop.targets.protocol import VLLM_CAPABILITIES, Built
@@ -89,6 +89,7 @@ class VllmAllocator:
         self.requests: dict = {}  # kvprop request id -> vLLM Request
         self.hash_names: dict = {}  # vLLM block hash (bytes) -> kvprop block hash
         self.event_names: dict = {}  # the hash as KV cache events publish it -> kvprop block hash
+        self.vllm_hashes: dict = {}  # kvprop block hash -> vLLM block hash (bytes), with events on
         self._named: dict = {}  # request id -> how many of its block hashes are in hash_names
         self.num_evictions = 0
         self._counting = False  # inside counting_evictions
@@ -151,6 +152,7 @@ class VllmAllocator:
         for i in range(done, end):
             if self.config.enable_kv_cache_events:
                 self.event_names[self.v.kvu.maybe_convert_block_hash(vllm_hashes[i])] = kvprop_hashes[i]
+                self.vllm_hashes[kvprop_hashes[i]] = vllm_hashes[i]
             known = self.hash_names.setdefault(vllm_hashes[i], kvprop_hashes[i])
             if known != kvprop_hashes[i]:
                 raise AssertionError(
@@ -248,7 +250,9 @@ class VllmAllocator:
         return self.translate_events(self.manager.take_events())
 
     def translate_events(self, events) -> list:
-        """vLLM's KV cache events in kvprop's terms (``take_events``)."""
+        """vLLM's KV cache events in kvprop's terms (``take_events``), each with the medium vLLM
+        names (the block pool's "GPU", an offload tier's "CPU"; "GPU" where a release names none,
+        as llm-d's router reads an event without one)."""
         ev = self.v.kv_events
         kinds = ((ev.BlockStored, Stored), (ev.BlockRemoved, Removed))
         out: list = []
@@ -261,7 +265,10 @@ class VllmAllocator:
                 raise TypeError(f"an unknown KV cache event from vLLM {self.v.version}: {event!r}")
             if self._reannounced.pop(id(event), None) is event:
                 kind = Reannounced
+            medium = getattr(event, "medium", None) or GPU
             for published in event.block_hashes:
-                name = self.event_names.get(published, f"vllm:{published}")
-                out.append(kind((name, event.group_idx)))
+                name = self.event_names.get(published)
+                if name is None:  # an offload tier of 0.23.0 publishes the hash unconverted, and no group
+                    name = self.hash_names.get(published, f"vllm:{published}")
+                out.append(kind((name, getattr(event, "group_idx", None)), medium))
         return out

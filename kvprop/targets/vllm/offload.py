@@ -6,6 +6,8 @@ runs them against kvprop's paged memory and a CPU tier of its own (one row of sl
 CPU block), so the data oracle sees exactly what a transfer moved and when: a store reads its
 GPU blocks after the next step's pass unless the scheduler asks for a flush first, a load
 writes its blocks when it completes. Completions go back the way the release reads them.
+With KV cache events on, the tier's own events are collected where the scheduler publishes
+them, and its manager's ``lookup`` answers invariant 17 (``kvprop.check.router``).
 """
 
 from __future__ import annotations
@@ -50,6 +52,27 @@ def transfer_from(job_id: int, job, load: bool) -> Transfer:
     return Transfer(job_id, job.req_id, load, list(zip(groups, gpu_ids, strict=True)), cpu_ids)
 
 
+@attrs.frozen
+class OffloadTier:
+    """vLLM's CPU tier as invariant 17 asks it (``kvprop.check.router``): a key is held where
+    the connector's manager's own ``lookup`` finds it ready (``LookupResult.HIT``, True before
+    0.34.0). ``names`` gives each kvprop block hash vLLM's (``VllmAllocator.vllm_hashes``)."""
+
+    manager: Any  # the connector's OffloadingManager
+    names: dict
+    publishes: bool  # the manager queues events: the scheduler publishes the tier's keys
+    counting: bool  # a lookup counts as an access (store_threshold), which a check must not make
+
+    def holds(self, key) -> bool | None:
+        from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+
+        block_hash = self.names.get(key[0])
+        if block_hash is None or key[1] is None or self.counting:
+            return None  # a hash kvprop never named, an event that names no group, or a counting lookup
+        found = self.manager.lookup(make_offload_key(block_hash, key[1]), ReqContext(req_id="kvprop-router"))
+        return found is True or getattr(found, "name", None) == "HIT"
+
+
 class OffloadWorker:
     """Engine mixin: the worker's transfers and its CPU tier."""
 
@@ -63,12 +86,55 @@ class OffloadWorker:
     loading: dict[str, Request]
     scheduler: Any  # vLLM's Scheduler
     s: SimpleNamespace  # vLLM's scheduler API (loading.import_scheduler)
+    allocator: Any  # VllmAllocator
+    _events: list  # what the scheduler publishes, in order
 
     def _init_transfers(self) -> None:
         self.offloaded: dict[int, list[int]] = {}  # CPU block id -> the GPU block's slots stored there
         self.transfers: dict[int, Transfer] = {}  # job id -> a transfer in flight
         self.stores_due: list[int] = []  # store jobs that complete after the next forward pass
         self.done: dict = self._nothing_done()  # for the next output
+
+    # ---- the tier's KV cache events -------------------------------------------------------
+
+    def _observe_tier_events(self) -> None:
+        """Collect the tier's KV cache events where the scheduler publishes them: after the
+        manager's, ``update_from_output`` publishes ``connector.take_events()`` in the same batch.
+        The connector's ``take_events`` is wrapped, calling through."""
+        connector = self.scheduler.connector
+        self._real_tier_events = None
+        if connector is None or not self.config.allocator.enable_kv_cache_events:
+            return
+        real = self._real_tier_events = connector.take_events
+
+        def take_events():
+            events = list(real())
+            self._events.extend(events)
+            return events
+
+        connector.take_events = take_events
+
+    def pending_tier_events(self) -> list:
+        """The tier's events not published yet (an operation between steps made them)."""
+        return list(self._real_tier_events()) if self._real_tier_events is not None else []
+
+    def offload_tier(self) -> OffloadTier | None:
+        """The tier's own lookup, for invariant 17; None without vLLM's offloading connector or
+        with a release whose tier keys its blocks otherwise."""
+        connector = self.scheduler.connector
+        manager = getattr(getattr(connector, "connector_scheduler", None), "manager", None)
+        if manager is None:
+            return None
+        try:
+            from vllm.v1.kv_offload.base import ReqContext, make_offload_key  # noqa: F401
+        except ImportError:
+            return None
+        return OffloadTier(
+            manager,
+            self.allocator.vllm_hashes,
+            publishes=getattr(manager, "events", None) is not None,
+            counting=getattr(manager, "counts", None) is not None,
+        )
 
     @staticmethod
     def _nothing_done() -> dict:

@@ -18,13 +18,17 @@ import inspect
 from kvprop.allocator.specs import AllocatorConfig, EngineConfig, Mamba
 from kvprop.targets.vllm.loading import import_scheduler
 
+# Every release announces each block cached or evicted under a key (invariant 17's find).
+EVERY_COPY = "announces-every-copy"
 # The rules of 0.33.0's finds (docs/findings.md), each a variant of kvprop's allocator.
-RULES_0_33 = "checkpoint-over-running-state+reannounces-every-position+copy-before-compute"
+RULES_0_33 = f"checkpoint-over-running-state+reannounces-every-position+copy-before-compute+{EVERY_COPY}"
 
 
 def release_rules(release: tuple[int, ...]) -> dict:
     """``agree``'s options for vLLM ``release`` (its first two numbers count).
 
+    - every release: the block pool announces each block cached or evicted under a key
+      (``announces-every-copy``);
     - before 0.30.0: no shared-prefix junction (walks without retention or state groups), no
       prefill checkpoints, no full KV cache report;
     - 0.30.0 to 0.32: hits inside a block and checkpoints follow other rules (hits end on
@@ -35,9 +39,18 @@ def release_rules(release: tuple[int, ...]) -> dict:
     """
     release = tuple(release[:2])
     if release < (0, 30):
-        return {"no_junction": True, "no_checkpoints": True, "incremental_report": True}
+        return {
+            "no_junction": True,
+            "no_checkpoints": True,
+            "incremental_report": True,
+            "reference_variant": EVERY_COPY,
+        }
     if release < (0, 33):
-        return {"block_hits": True, "no_checkpoints": True, "reference_variant": "reannounces-every-position"}
+        return {
+            "block_hits": True,
+            "no_checkpoints": True,
+            "reference_variant": f"reannounces-every-position+{EVERY_COPY}",
+        }
     return {"reference_variant": RULES_0_33}
 
 
@@ -170,6 +183,11 @@ def scheduler_refusal(config: EngineConfig) -> str | None:
         return (
             f"vLLM's scheduler needs a token budget of at least max_num_seqs (token_budget={config.token_budget}, "
             f"max_num_seqs={config.max_num_seqs}): SchedulerConfig refuses max_num_batched_tokens < max_num_seqs"
+        )
+    if config.pipeline_depth > 1 and import_scheduler().AsyncScheduler is None:
+        return (
+            f"this vLLM has no asynchronous scheduler (vllm/v1/core/sched/async_scheduler.py), so it keeps one "
+            f"batch in flight; pipeline_depth must be 1, got {config.pipeline_depth}"
         )
     if config.allocator.eagle:
         return (

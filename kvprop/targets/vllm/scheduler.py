@@ -33,6 +33,7 @@ from kvprop.sim.engine import Engine, StepReport
 from kvprop.sim.events import EV_ABORT_LOAD, EV_EVICT, EV_LOAD_FAIL, EV_PREEMPT, EV_SKIP, EV_SPEC_ACCEPT, EV_SPEC_REJECT
 from kvprop.sim.request import Status
 from kvprop.sim.target_calls import OwnLoopCalls
+from kvprop.targets.vllm.batches import SchedulerBatches
 from kvprop.targets.vllm.config import build_scheduler
 from kvprop.targets.vllm.loading import import_scheduler
 from kvprop.targets.vllm.manager import Hits, VllmAllocator, capabilities
@@ -55,7 +56,7 @@ def build_engine(config: EngineConfig, device=None, hooks=None, canary: bool = F
     return cls(config, device=device, hooks=hooks)
 
 
-class SchedulerEngine(OwnLoopCalls, OffloadWorker, Engine):
+class SchedulerEngine(SchedulerBatches, OwnLoopCalls, OffloadWorker, Engine):
     """kvprop's engine with vLLM's scheduler in charge of every step."""
 
     preempts_on_request = False  # vLLM's scheduler preempts by its own policy, under pressure
@@ -81,6 +82,7 @@ class SchedulerEngine(OwnLoopCalls, OffloadWorker, Engine):
         self.report: StepReport | None = None
         self._events: list = []
         self._observe(manager)
+        self._observe_tier_events()
 
     # ---- observing the manager ---------------------------------------------------------
 
@@ -314,7 +316,8 @@ class SchedulerEngine(OwnLoopCalls, OffloadWorker, Engine):
             return None
         published, self._events = self._events, []
         pending = self._call("KVCacheManager.take_events", self._real_take_events)
-        return self.allocator.translate_events([*published, *pending])
+        tier = self._call("OffloadingConnector.take_events", self.pending_tier_events)
+        return self.allocator.translate_events([*published, *pending, *tier])
 
     # ---- a step ---------------------------------------------------------------------------
 
@@ -327,13 +330,15 @@ class SchedulerEngine(OwnLoopCalls, OffloadWorker, Engine):
         return None
 
     def step(self) -> StepReport:
+        if self.batches is not None:  # batches in flight: a turn of the engine core's batch queue
+            return self.batches.turn(self)
         report = self.report = StepReport()
         evictions = self.view.num_evictions
         self.hooks.step_starts(self)
         try:
             output = self._call("Scheduler.schedule", self.scheduler.schedule)
             starts = self._hand_to_worker(output)
-            for copy in getattr(output, "kv_cache_block_copies", None) or ():
+            for copy in self._copies(output):
                 # the worker copies before the forward pass (vLLM 0.30.0 on; hits inside a block)
                 self.memory.copy_block(copy.src_block_id, copy.dst_block_id)
             meta = getattr(output, "kv_connector_metadata", None)

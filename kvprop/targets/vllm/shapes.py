@@ -55,6 +55,8 @@ def scheduler_shapes() -> Shapes:
         state_with_connector=takes_connector_with_state_groups(),
         local_with_connector=_builds(_LOCAL_WITH_CONNECTOR),
         page_layouts=frozenset({"plain"}),
+        # batches in flight through its asynchronous scheduler, where the release has one
+        options=MAPPED_OPTIONS | ({"pipeline_depth"} if import_scheduler().AsyncScheduler is not None else set()),
     )
 
 
