@@ -1,7 +1,9 @@
-"""Every recorded finding's reproducer answers on the installed vLLM release as its record says
+"""Every recorded finding's reproducers answer on the installed vLLM release as its record says
 (``findings/<id>/finding.json``): exit 1 where the bug is recorded, 0 where the release passes, 2
-where it refuses the script's configuration or API. ``make findings`` runs them on every release
-named; here each runs on the release of this environment, isolated, with kvprop unimportable."""
+where it refuses the script's configuration or API. That is ``repro.py``, and the reproducer at a
+production shape where the record names another script (``production.reproducer``). ``make
+findings`` runs them on every release named; here each runs on the release of this environment,
+isolated, with kvprop unimportable."""
 
 from __future__ import annotations
 
@@ -18,12 +20,15 @@ from kvprop.front.findings import EXPECTED_EXIT, read_findings, run_script  # no
 
 pytestmark = pytest.mark.vllm
 FINDINGS = read_findings(Path(__file__).parent.parent / "findings")
+SCRIPTS = [(finding, script, releases) for finding in FINDINGS for script, releases in finding.scripts]
 
 
-@pytest.mark.parametrize("finding", FINDINGS, ids=[f.id for f in FINDINGS])
-def test_the_reproducer_answers_on_this_release_as_recorded(finding):
-    if vllm.__version__ not in finding.releases:
-        pytest.skip(f"{finding.id} records no answer for vLLM {vllm.__version__}")
-    answer = run_script(finding, vllm.__version__, Path(sys.prefix))
-    expected = finding.releases[vllm.__version__]
+@pytest.mark.parametrize(
+    "finding, script, releases", SCRIPTS, ids=[f"{f.id}/{Path(script).stem}" for f, script, _ in SCRIPTS]
+)
+def test_the_reproducer_answers_on_this_release_as_recorded(finding, script, releases):
+    if vllm.__version__ not in releases:
+        pytest.skip(f"{finding.id}'s {script} records no answer for vLLM {vllm.__version__}")
+    answer = run_script(finding, vllm.__version__, Path(sys.prefix), script)
+    expected = releases[vllm.__version__]
     assert answer.exit_code == EXPECTED_EXIT[expected], f"recorded {expected}; it ends: {answer.last_line}"

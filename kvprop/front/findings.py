@@ -4,11 +4,16 @@ A finding is a folder of ``DIR`` (default ``findings``) holding ``finding.json``
 and the reproducer ``kvprop report`` wrote (``repro.py``). ``finding.json`` names, per vLLM
 release, what ``kvprop bisect`` found there: ``affected`` (the script must exit 1),
 ``passes`` (0) or ``refuses`` (2: the release does not take the configuration or the
-script's API). Each script runs in that release's environment (``--envs``, the prefix of their
-folders, as ``bisect``), isolated and with every import of kvprop refused, as a maintainer
-runs it. Exit 0 when every script answers as recorded; 1 when one does not (the engine's
-behaviour changed from the record); 2 when the folder or a finding is malformed or an
-environment is missing (the message says how to build it).
+script's API). An optional ``production`` record says whether the find holds at a shape a GPU
+server runs (attention block sizes the CUDA backends take, a hybrid model's own block size,
+drafts the configured proposer can make): ``shape`` (that shape in words), ``holds``, and either
+``reproducer`` (the script at that shape, ``repro.py`` itself when the recorded one already is)
+with its own ``releases``, or ``why`` it does not hold there. Each script runs in that
+release's environment (``--envs``, the prefix of their folders, as ``bisect``), isolated and
+with every import of kvprop refused, as a maintainer runs it. Exit 0 when every script
+answers as recorded; 1 when one does not (the engine's behaviour changed from the record); 2
+when the folder or a finding is malformed or an environment is missing (the message says how
+to build it).
 """
 
 from __future__ import annotations
@@ -22,12 +27,24 @@ from kvprop.errors import ConfigError
 from kvprop.exits import EXIT_CLEAN, EXIT_FOUND
 from kvprop.front.bisect import ENGINES, environments, version
 from kvprop.front.commands import print_json
-from kvprop.front.report import run_reproducer
+from kvprop.front.report import REPRODUCER, run_reproducer
 from kvprop.targets.protocol import REGISTRY
 
 FORMAT = "kvprop-finding/1"
 EXPECTED_EXIT = {"affected": 1, "passes": 0, "refuses": 2}
 FIELDS = ("format", "id", "title", "kind", "target", "status", "upstream", "written_on", "releases")
+OPTIONAL = ("production",)
+
+
+@attrs.frozen
+class Production:
+    """Whether the find holds at a production shape, and the script that shows it there."""
+
+    shape: str
+    holds: bool
+    reproducer: str | None  # a script in the finding's folder; None where it does not hold
+    releases: dict  # release -> "affected" | "passes" | "refuses", for ``reproducer``
+    why: str  # why it does not hold there ("" where it holds)
 
 
 @attrs.frozen
@@ -41,6 +58,17 @@ class Finding:
     upstream: tuple  # the upstream issues and PRs read to confirm it, e.g. "vLLM issue #46453"
     written_on: str  # the release repro.py was written on
     releases: dict  # release -> "affected" | "passes" | "refuses"
+    production: Production | None = None
+
+    @property
+    def scripts(self) -> list[tuple[str, dict]]:
+        """Each reproducer to run and the answer recorded per release: ``repro.py``, then the
+        production-shape one where it is another script."""
+        out = [(REPRODUCER, self.releases)]
+        prod = self.production
+        if prod is not None and prod.reproducer is not None and prod.reproducer != REPRODUCER:
+            out.append((prod.reproducer, prod.releases))
+        return out
 
 
 @attrs.frozen
@@ -50,10 +78,40 @@ class Answer:
     expected: str
     exit_code: int | None  # None: no environment
     last_line: str
+    script: str = REPRODUCER
 
     @property
     def agrees(self) -> bool:
         return self.exit_code == EXPECTED_EXIT[self.expected]
+
+
+def _releases(path: Path, releases, where: str) -> dict:
+    wrong = {r: v for r, v in releases.items() if v not in EXPECTED_EXIT} if isinstance(releases, dict) else releases
+    if not isinstance(releases, dict) or wrong:
+        raise ConfigError(f"{path}: {where} maps each release to one of {sorted(EXPECTED_EXIT)}; got {wrong!r}")
+    return dict(releases)
+
+
+def _production(path: Path, folder: Path, data, releases: dict) -> Production:
+    """The ``production`` record: where the find holds, the script at that shape (its own
+    ``releases``, or the finding's where it is ``repro.py``); where it does not, why."""
+    if not isinstance(data, dict) or not isinstance(data.get("shape"), str) or not isinstance(data.get("holds"), bool):
+        raise ConfigError(f"{path}: production has a shape (words) and holds (true or false); got {data!r}")
+    extra = sorted(set(data) - {"shape", "holds", "reproducer", "releases", "why"})
+    if extra:
+        raise ConfigError(f"{path}: production has no field {extra}")
+    if not data["holds"]:
+        if not isinstance(data.get("why"), str) or not data["why"] or "reproducer" in data:
+            raise ConfigError(f"{path}: a production record where the find does not hold says why, with no reproducer")
+        return Production(data["shape"], False, None, {}, data["why"])
+    script = data.get("reproducer")
+    if not isinstance(script, str) or "/" in script or not (folder / script).is_file():
+        raise ConfigError(f"{path}: production.reproducer names a script in {folder}; got {script!r}")
+    if script == REPRODUCER:
+        if "releases" in data:
+            raise ConfigError(f"{path}: production.reproducer is {REPRODUCER}, whose releases the finding records")
+        return Production(data["shape"], True, script, releases, "")
+    return Production(data["shape"], True, script, _releases(path, data.get("releases"), "production.releases"), "")
 
 
 def read_finding(folder: Path) -> Finding:
@@ -67,14 +125,15 @@ def read_finding(folder: Path) -> Finding:
     missing = [f for f in FIELDS if f not in data]
     if missing:
         raise ConfigError(f"{path}: missing {missing}; a finding has {list(FIELDS)}")
-    releases = data["releases"]
-    wrong = {r: v for r, v in releases.items() if v not in EXPECTED_EXIT} if isinstance(releases, dict) else releases
-    if not isinstance(releases, dict) or wrong:
-        raise ConfigError(f"{path}: releases maps each release to one of {sorted(EXPECTED_EXIT)}; got {wrong!r}")
-    if not (folder / "repro.py").is_file():
-        raise ConfigError(f"{folder}: no repro.py (write it with kvprop report)")
+    unknown = sorted(set(data) - set(FIELDS) - set(OPTIONAL))
+    if unknown:
+        raise ConfigError(f"{path}: no field {unknown}; a finding has {list(FIELDS)} and optionally {list(OPTIONAL)}")
+    releases = _releases(path, data["releases"], "releases")
+    if not (folder / REPRODUCER).is_file():
+        raise ConfigError(f"{folder}: no {REPRODUCER} (write it with kvprop report)")
+    production = _production(path, folder, data["production"], releases) if "production" in data else None
     fields = {f: data[f] for f in FIELDS if f not in ("format", "upstream", "releases")}
-    return Finding(folder, upstream=tuple(data["upstream"]), releases=dict(releases), **fields)
+    return Finding(folder, upstream=tuple(data["upstream"]), releases=releases, production=production, **fields)
 
 
 def read_findings(root: Path) -> list[Finding]:
@@ -86,19 +145,21 @@ def read_findings(root: Path) -> list[Finding]:
     return [read_finding(folder) for folder in folders]
 
 
-def run_script(finding: Finding, release: str, env: Path | None) -> Answer:
-    expected = finding.releases[release]
+def run_script(finding: Finding, release: str, env: Path | None, script: str = REPRODUCER) -> Answer:
+    """``script`` (a reproducer ``finding.scripts`` names) in ``release``'s environment ``env``."""
+    expected = dict(finding.scripts)[script][release]
     if env is None:
-        return Answer(finding.id, release, expected, None, "no environment")
-    run = run_reproducer(finding.folder, str((env / "bin" / "python").absolute()))  # run from the finding's folder
+        return Answer(finding.id, release, expected, None, "no environment", script)
+    python = str((env / "bin" / "python").absolute())
+    run = run_reproducer(finding.folder, python, script)  # run from the finding's folder
     # the assertion or exception where the bug shows (stderr), else what the script printed last
     said = run.stderr if run.returncode == 1 else run.stdout
     lines = [line.strip() for line in said.splitlines() if line.strip()]
-    return Answer(finding.id, release, expected, run.returncode, lines[-1][:300] if lines else "")
+    return Answer(finding.id, release, expected, run.returncode, lines[-1][:300] if lines else "", script)
 
 
 def needed_releases(findings: list[Finding]) -> list[str]:
-    return sorted({r for f in findings for r in f.releases}, key=version)
+    return sorted({r for f in findings for _, releases in f.scripts for r in releases}, key=version)
 
 
 def cmd_findings(args) -> int:
@@ -121,15 +182,17 @@ def cmd_findings(args) -> int:
         )
     answers = []
     for finding in findings:
-        for release in sorted(finding.releases, key=version):
-            answer = run_script(finding, release, envs[release])
-            answers.append(answer)
-            if not args.json:
-                mark = "ok" if answer.agrees else "DIFFERS"
-                print(
-                    f"{finding.id:32} {release:8} {answer.expected:9} exit {answer.exit_code}  {mark}  "
-                    f"{answer.last_line[:100]}"
-                )
+        for script, releases in finding.scripts:
+            name = finding.id if script == REPRODUCER else f"{finding.id}/{Path(script).stem}"
+            for release in sorted(releases, key=version):
+                answer = run_script(finding, release, envs[release], script)
+                answers.append(answer)
+                if not args.json:
+                    mark = "ok" if answer.agrees else "DIFFERS"
+                    print(
+                        f"{name:32} {release:8} {answer.expected:9} exit {answer.exit_code}  {mark}  "
+                        f"{answer.last_line[:100]}"
+                    )
     differ = [a for a in answers if not a.agrees]
     if args.json:
         print_json(args, [attrs.asdict(a) | {"agrees": a.agrees} for a in answers])

@@ -35,15 +35,25 @@ from kvprop.targets.vllm.loading import INSTALL_HINT
 
 PICTURE = "failing-step.svg"  # the pool and the block tables before the failing operation and at the find
 SCRIPT_TIMEOUT = 600  # seconds: importing vLLM and replaying a minimised trace take far less
-# Runs the reproducer with every import of kvprop refused, as a maintainer's environment has none.
-WITHOUT_KVPROP = "import runpy, sys; sys.modules['kvprop'] = None; runpy.run_path('repro.py', run_name='__main__')"
+REPRODUCER = "repro.py"  # the script kvprop report writes
 
 
-def run_reproducer(folder: Path, python: str = sys.executable) -> subprocess.CompletedProcess:
-    """``folder/repro.py`` run as a maintainer runs it: by ``python`` (an environment's own
-    interpreter), isolated, from its folder, with every import of kvprop refused."""
+def without_kvprop(script: str = REPRODUCER) -> str:
+    """Python that runs ``script`` with every import of kvprop refused, as a maintainer's
+    environment has none."""
+    return f"import runpy, sys; sys.modules['kvprop'] = None; runpy.run_path({script!r}, run_name='__main__')"
+
+
+def run_reproducer(folder: Path, python: str = sys.executable, script: str = REPRODUCER) -> subprocess.CompletedProcess:
+    """``folder/script`` (``repro.py`` unless named) run as a maintainer runs it: by ``python``
+    (an environment's own interpreter), isolated, from its folder, with every import of kvprop
+    refused."""
     return subprocess.run(
-        [python, "-I", "-c", WITHOUT_KVPROP], cwd=folder, capture_output=True, text=True, timeout=SCRIPT_TIMEOUT
+        [python, "-I", "-c", without_kvprop(script)],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=SCRIPT_TIMEOUT,
     )
 
 
