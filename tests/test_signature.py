@@ -87,8 +87,21 @@ def test_a_new_signature_of_a_triaged_kind_still_ends_the_search(tmp_path):
 def test_the_triaged_vllm_findings_file_reads_as_signatures():
     keys = read_triaged(ROOT / "findings" / "triaged.json")
     assert sorted(keys) == [
+        "connector-handoff@Step",
+        "connector-handoff@drain",
         "data-mismatch@drain",
         "events-reannounce-unheld@Step",
         "events-reannounce-unheld@drain",
+        "router-forgets-resident@Abort",
+        "router-forgets-resident@AddLargeRequest",
+        "router-forgets-resident@AddRequest",
+        "router-forgets-resident@Finish",
+        "router-forgets-resident@FinishLoad",
+        "router-forgets-resident@FinishSave",
+        "router-forgets-resident@Preempt",
+        "router-forgets-resident@PublishPrefix",
+        "router-forgets-resident@ResetPrefixCache",
+        "router-forgets-resident@Step",
+        "router-forgets-resident@drain",
         "target-crash:IndexError@drain",
     ]
