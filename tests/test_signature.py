@@ -103,5 +103,6 @@ def test_the_triaged_vllm_findings_file_reads_as_signatures():
         "router-forgets-resident@ResetPrefixCache",
         "router-forgets-resident@Step",
         "router-forgets-resident@drain",
+        "target-crash:IndexError@Step",
         "target-crash:IndexError@drain",
     ]

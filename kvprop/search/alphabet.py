@@ -172,7 +172,8 @@ def sample_config(choose, shapes: Shapes = ANY_SHAPE) -> EngineConfig:
 def pipeline_depth(side, config: EngineConfig, shapes: Shapes) -> EngineConfig:
     """Batches in flight in half the shapes that can have them, 2 and 3 alike (vLLM's asynchronous
     scheduler, and that with two pipeline stages); drawn last, so that every value drawn before
-    keeps its seed."""
+    keeps its seed. The order is one whose draws under the CI profile of the state machine reach
+    both depths (tests/test_machine.py)."""
     if not shapes.builds("pipeline_depth") or pipeline_problem(config) is not None:
         return config
     return attrs.evolve(config, pipeline_depth=side.pick((1, 1, 3, 2)))
