@@ -328,7 +328,8 @@ REGISTRY = {
         Target(
             "vllm-scheduler",
             "kvprop.targets.vllm.scheduler:build_engine",
-            "vLLM's own Scheduler (and OffloadingConnector) in charge of every step",
+            "vLLM's own Scheduler (synchronous, or asynchronous with 2 or 3 batches in flight) and "
+            "OffloadingConnector in charge of every step",
             VLLM_CAPABILITIES,
             shapes="kvprop.targets.vllm.shapes:scheduler_shapes",
             own_scheduler=True,
