@@ -195,12 +195,16 @@ class Pipeline:
     def complete_batch(self, batch: Batch) -> StepReport:
         """The batch's pass runs, then its output comes back (vLLM's ``update_from_output``)."""
         report = StepReport(copies=batch.report.copies)
-        for source, dest in batch.report.copies:
-            self.memory.copy_block(source, dest)
-        self._write_rows(batch.rows)
+        self._run_pass(batch)
         for row in batch.rows:
             self._take_row_output(row, report)
         return report
+
+    def _run_pass(self, batch: Batch) -> None:
+        """The batch's forward pass: the block copies its schedule queued, then its rows' writes."""
+        for source, dest in batch.report.copies:
+            self.memory.copy_block(source, dest)
+        self._write_rows(batch.rows)
 
     def _write_rows(self, rows: list[Row]) -> None:
         """Every row's positions written through the tables it was scheduled with."""

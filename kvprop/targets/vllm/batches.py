@@ -31,13 +31,12 @@ class SchedulerBatches:
     requests: dict
     worker: dict
     hooks: Any
-    memory: Any
     report: StepReport | None
     s: Any  # vLLM's scheduler API (kvprop.targets.vllm.loading.import_scheduler)
     # the engine's own (kvprop.targets.vllm.scheduler, kvprop.sim.pipeline)
     _call: Callable[..., Any]
     _hand_to_worker: Callable[[Any], dict]
-    _write_rows: Callable[[list[Row]], None]
+    _run_pass: Callable[[Batch], None]
     _dispatch: Callable[[list[Row]], None]
     _take_outputs: Callable[[StepReport, Any], None]
 
@@ -71,9 +70,7 @@ class SchedulerBatches:
     def complete_batch(self, batch: Batch) -> StepReport:
         report = self.report = StepReport(copies=batch.report.copies)
         try:
-            for source, dest in batch.report.copies:
-                self.memory.copy_block(source, dest)
-            self._write_rows(batch.rows)
+            self._run_pass(batch)
             ids, sampled = [], []
             for row in batch.rows:
                 request = row.request

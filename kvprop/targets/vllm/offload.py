@@ -88,6 +88,7 @@ class OffloadWorker:
     s: SimpleNamespace  # vLLM's scheduler API (loading.import_scheduler)
     allocator: Any  # VllmAllocator
     _events: list  # what the scheduler publishes, in order
+    _offload_tier: OffloadTier | None
 
     def _init_transfers(self) -> None:
         self.offloaded: dict[int, list[int]] = {}  # CPU block id -> the GPU block's slots stored there
@@ -98,11 +99,12 @@ class OffloadWorker:
     # ---- the tier's KV cache events -------------------------------------------------------
 
     def _observe_tier_events(self) -> None:
-        """Collect the tier's KV cache events where the scheduler publishes them: after the
-        manager's, ``update_from_output`` publishes ``connector.take_events()`` in the same batch.
-        The connector's ``take_events`` is wrapped, calling through."""
+        """Find the tier's lookup, and collect its KV cache events where the scheduler publishes
+        them: after the manager's, ``update_from_output`` publishes ``connector.take_events()`` in
+        the same batch. The connector's ``take_events`` is wrapped, calling through."""
         connector = self.scheduler.connector
         self._real_tier_events = None
+        self._offload_tier = self._find_offload_tier()
         if connector is None or not self.config.allocator.enable_kv_cache_events:
             return
         real = self._real_tier_events = connector.take_events
@@ -119,8 +121,12 @@ class OffloadWorker:
         return list(self._real_tier_events()) if self._real_tier_events is not None else []
 
     def offload_tier(self) -> OffloadTier | None:
-        """The tier's own lookup, for invariant 17; None without vLLM's offloading connector or
-        with a release whose tier keys its blocks otherwise."""
+        """The tier's own lookup, for invariant 17 (asked at every drain of the events)."""
+        return self._offload_tier
+
+    def _find_offload_tier(self) -> OffloadTier | None:
+        """The tier's lookup, found once: None without vLLM's offloading connector or with a
+        release whose tier keys its blocks otherwise."""
         connector = self.scheduler.connector
         manager = getattr(getattr(connector, "connector_scheduler", None), "manager", None)
         if manager is None:
