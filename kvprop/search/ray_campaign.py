@@ -40,6 +40,7 @@ BATCH_RUNS = RAY_BATCH  # runs per task, unless the campaign says otherwise
 MAX_ATTEMPTS = 3  # a batch that loses its worker this many times ends the campaign (a fault of the cluster)
 LOG_TAIL = 64 * 1024  # bytes of the target's output in a find's run that travel with the find
 STATUS_EVERY = 2.0
+_IMPORT_BROKEN = False  # set in a Ray worker whose import of the walk failed part way
 INSTALL = "pip install 'kvprop[ray]'"
 
 
@@ -162,12 +163,25 @@ def node_name() -> str:
     return f"{ray.util.get_node_ip_address()}/{ray.get_runtime_context().get_node_id()[:8]}"
 
 
+def _mark_import_broken() -> None:
+    global _IMPORT_BROKEN
+    _IMPORT_BROKEN = True
+
+
 def run_batch(opts: fuzz.FuzzOptions, first: int, end: int):
     """A Ray generator task: runs [first, end) in one supervised worker, yielding
     ``("started", pid, node)``, then ``("find", index, trace dict, log tail)`` per find as it
     happens, then ``("done", counts)`` or ``("error", kind, message)``. A cancel (Ray raises
     ``KeyboardInterrupt`` here) ends the search, which stops its worker."""
-    from kvprop.search.walk import walk_seed
+    if _IMPORT_BROKEN:
+        os._exit(1)  # this process cannot import kvprop's walk again: Ray starts a fresh worker
+    try:
+        from kvprop.search.walk import walk_seed
+    except BaseException:
+        # a cancel arriving while torch loads leaves its half-made registrations in the process,
+        # and every later import of torch here fails: the process serves no further task
+        _mark_import_broken()
+        raise
 
     interrupt.requested.clear()  # a worker process runs task after task
     node = node_name()
