@@ -186,6 +186,7 @@ def _summary(args, result) -> dict:
         "seconds": round(result.seconds, 3),
         "refused_configurations": result.runs - result.executed_runs,
         "refused_reasons": result.refused,
+        "pipeline_depths": {str(d): n for d, n in sorted(result.depths.items())},
         "events": {name: name in result.events for name in reachable_events(args.target)},
         "seed": args.seed,
         "driver": args.driver,

@@ -85,6 +85,7 @@ class FuzzResult:
     interrupted: bool = False
     deterministic: bool = True  # the reported find is the lowest-numbered failing run, whatever the timing
     known: dict = attrs.field(factory=dict)  # finds already triaged, which did not end the search: signature -> count
+    depths: dict = attrs.field(factory=dict)  # built configurations by pipeline depth (batches in flight) -> runs
 
     @property
     def executed_runs(self) -> int:
@@ -113,6 +114,7 @@ def _walk_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: int, f
     sv.load_target_here(journal, opts.target, opts.variant)
     events: set[str] = set()
     refused: Counter[str] = Counter()
+    depths: Counter[int] = Counter()
     runs, steps, last = 0, 0, time.monotonic()
     i = first
     while not stop.is_set() and i <= limit.value and (opts.max_runs is None or i < opts.max_runs):
@@ -131,9 +133,11 @@ def _walk_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: int, f
         events |= result.events
         if result.refused is not None:
             refused[result.refused] += 1
+        else:
+            depths[result.trace.config.pipeline_depth] += 1
         if result.failure is not None or time.monotonic() - last >= REPORT_EVERY:
-            out.put(("progress", runs, steps, events, refused))  # before any find, so it is counted
-            runs, steps, events, refused, last = 0, 0, set(), Counter(), time.monotonic()
+            out.put(("progress", runs, steps, events, refused, depths))  # before any find, so it is counted
+            runs, steps, events, refused, depths, last = 0, 0, set(), Counter(), Counter(), time.monotonic()
         if result.failure is not None:
             trace = attrs.evolve(result.trace, failure=result.failure)
             found = tr.to_dict(trace)
@@ -143,7 +147,7 @@ def _walk_worker(index: int, opts: FuzzOptions, out, stop, limit, parent: int, f
                 return
             out.put(("known", found, log))
         i += opts.workers
-    out.put(("progress", runs, steps, events, refused))
+    out.put(("progress", runs, steps, events, refused, depths))
 
 
 def is_known(opts: FuzzOptions, trace: Trace) -> bool:
@@ -244,6 +248,8 @@ def _progress(out, machine, reported: dict) -> None:
     c = machine.counters
     refused = Counter(c.get("refused", Counter()))
     refused.subtract(reported.get("refused", Counter()))
+    depths = Counter(c.get("depths", Counter()))
+    depths.subtract(reported.get("depths", Counter()))
     out.put(
         (
             "progress",
@@ -251,9 +257,15 @@ def _progress(out, machine, reported: dict) -> None:
             c["steps"] - reported["steps"],
             set(machine.events_seen),
             +refused,
+            +depths,
         )
     )
-    reported.update(examples=c["examples"], steps=c["steps"], refused=Counter(c.get("refused", Counter())))
+    reported.update(
+        examples=c["examples"],
+        steps=c["steps"],
+        refused=Counter(c.get("refused", Counter())),
+        depths=Counter(c.get("depths", Counter())),
+    )
 
 
 def _worker(index, opts, out, stop, limit, parent, first, files):
@@ -417,6 +429,7 @@ def _search(opts: FuzzOptions, status, on_find, start: float, store, files: Path
         interrupted,
         deterministic=opts.driver == "walk" or opts.workers == 1,
         known=dict(tally.known),
+        depths=dict(tally.depths),
     )
 
 

@@ -90,11 +90,13 @@ def next_operations(draw):
 
 
 class Counters(TypedDict):
-    """What a machine class has run: examples begun, rule steps, and refused shapes by reason."""
+    """What a machine class has run: examples begun, rule steps, refused shapes by reason, and
+    the built ones by pipeline depth."""
 
     examples: int
     steps: int
     refused: Counter[str]
+    depths: Counter[int]
 
 
 # A failing example: its configuration, its operations, what it raised, whether in the drain.
@@ -117,7 +119,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     checks: ClassVar[bool] = True
     events_seen: ClassVar[set[str]] = set()
     failures: ClassVar[list[Found]] = []
-    counters: ClassVar[Counters] = {"examples": 0, "steps": 0, "refused": Counter()}
+    counters: ClassVar[Counters] = {"examples": 0, "steps": 0, "refused": Counter(), "depths": Counter()}
     # in a supervised worker: each example is written as it runs (kvprop.search.journal)
     journal: ClassVar[Journal | None] = None
     shapes: ClassVar[Shapes] = ANY_SHAPE  # the configurations the target declares it builds
@@ -170,6 +172,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                 raise
             counters["refused"][str(e)] += 1
             reject()  # a shape this target cannot build: draw another (the refusal is counted)
+        counters["depths"][config.pipeline_depth] += 1
 
     def record_failure(self, error: Violation | TargetCrash, at_drain: bool) -> None:
         """Keep what failed as a plain trace: (config, operations, error, failed in the drain)."""
@@ -250,7 +253,7 @@ def machine_for(
         "checks": checks,
         "events_seen": set(),
         "failures": [],
-        "counters": {"examples": 0, "steps": 0, "refused": Counter()},
+        "counters": {"examples": 0, "steps": 0, "refused": Counter(), "depths": Counter()},
         "shapes": shapes_of(target),
     }
     # ``type`` makes a subclass of KVCacheMachine, which the type checker reads as a plain ``type``

@@ -34,6 +34,7 @@ from kvprop import interrupt
 from kvprop.errors import ConfigError, TargetError
 from kvprop.search import RAY_BATCH, fuzz
 from kvprop.search import trace as tr
+from kvprop.search.tally import depth_counts
 from kvprop.search.trace import Trace
 
 BATCH_RUNS = RAY_BATCH  # runs per task, unless the campaign says otherwise
@@ -73,6 +74,7 @@ class CampaignResult:
     shared: bool = False  # as FuzzResult: a campaign's find is its own
     deterministic: bool = True  # the reported find is the lowest-index failing run, whatever the timing
     lost: dict = attrs.field(factory=dict)  # why batches were queued again (what was lost) -> how many
+    depths: dict = attrs.field(factory=dict)  # built configurations by pipeline depth -> runs
 
     def requeue_line(self) -> str | None:
         """The batches run again, and what lost them, for the summary; None when none was."""
@@ -202,6 +204,7 @@ def run_batch(opts: fuzz.FuzzOptions, first: int, end: int):
                 "steps": r.steps,
                 "events": sorted(r.events),
                 "refused": dict(r.refused),
+                "depths": dict(r.depths),
                 "interrupted": r.interrupted,
             }
             events.put(("done", counts))
@@ -310,6 +313,7 @@ class _Driver:
     steps: int = 0
     events: set = attrs.field(factory=set)
     refused: Counter = attrs.field(factory=Counter)
+    depths: Counter = attrs.field(factory=Counter)
     known: Counter = attrs.field(factory=Counter)
     finds: dict = attrs.field(factory=dict)
     best: int | None = None
@@ -342,6 +346,7 @@ class _Driver:
             self.runs, self.steps = self.runs + counts["runs"], self.steps + counts["steps"]
             self.events |= set(counts["events"])
             self.refused.update(counts["refused"])
+            self.depths.update(counts["depths"])
             self.nodes[batch.node] += counts["runs"]
             return True
         elif item[0] == "error":
@@ -361,7 +366,7 @@ class _Driver:
         finds = len(self.finds) - sum(self.known.values())
         return (
             f"[{elapsed:7.1f}s] runs {self.runs:,} | {rate:,.1f} runs/s ({per_node or 'no batch done yet'}) | "
-            f"finds {finds}{known}{again}{eta}"
+            f"finds {finds}{known}{again}{eta}{depth_counts(self.depths)}"
         )
 
 
@@ -479,18 +484,10 @@ def campaign(
     if status is not None and not interrupted:
         status(d.status_line(budget))
     found = d.finds[d.best].trace if d.best is not None else None
+    seconds = time.monotonic() - start
     return CampaignResult(
-        found,
-        d.runs,
-        d.steps,
-        time.monotonic() - start,
-        frozenset(d.events),
-        d.found_at,
-        dict(d.refused),
-        dict(d.known),
-        dict(d.finds),
-        interrupted,
-        d.requeued,
-        dict(d.nodes),
+        *(found, d.runs, d.steps, seconds, frozenset(d.events), d.found_at, dict(d.refused), dict(d.known)),
+        *(dict(d.finds), interrupted, d.requeued, dict(d.nodes)),
         lost=dict(d.lost),
+        depths=dict(d.depths),
     )

@@ -26,6 +26,7 @@ class Tally:
     steps: int = 0
     events: set = attrs.field(factory=set)
     refused: Counter = attrs.field(factory=Counter)
+    depths: Counter = attrs.field(factory=Counter)  # built configurations by pipeline depth -> runs
     finds: dict = attrs.field(factory=dict)  # (index, worker) -> Trace
     known: Counter = attrs.field(factory=Counter)  # triaged finds by signature key; they do not end the search
     found_at: float | None = None
@@ -64,6 +65,7 @@ class Tally:
             self.runs, self.steps = self.runs + msg[1], self.steps + msg[2]
             self.events |= msg[3]
             self.refused.update(msg[4])
+            self.depths.update(msg[5])
         elif msg[0] == "failure":
             self.take(tr.from_dict(msg[3]), elapsed, (msg[1], msg[2]), msg[4])
         elif msg[0] == "known":
@@ -84,5 +86,15 @@ class Tally:
         return (
             f"[{elapsed:7.1f}s] runs {self.runs:,} | steps {self.steps:,} | {rate:,.0f} steps/s | "
             f"failures {len(self.finds)}{known} | events {len(self.events & set(self.reachable))}/{len(self.reachable)}"
-            f"{refused}"
+            f"{refused}{depth_counts(self.depths)}"
         )
+
+
+def depth_counts(depths) -> str:
+    """The built runs by batches in flight, as the progress line shows them: `` | in flight
+    1/2/3: 812/9/19`` (nothing until a run was built)."""
+    if not depths:
+        return ""
+    top = max(3, *depths)
+    names = "/".join(str(d) for d in range(1, top + 1))
+    return f" | in flight {names}: " + "/".join(f"{depths.get(d, 0):,}" for d in range(1, top + 1))
