@@ -40,6 +40,7 @@ from kvprop.front.coverage_figures import ZERO, Figures, Report, Scope, render, 
 
 VLLM_FILES = ("block_pool.py", "kv_cache_coordinator.py", "kv_cache_manager.py", "single_type_kv_cache_manager.py")
 VLLM_SCHEDULER_FILES = ("sched/scheduler.py",)
+VLLM_ASYNC_SCHEDULER_FILE = "sched/async_scheduler.py"  # the pipelined scheduler, where the release has it
 # the offloading connector's scheduler side, relative to the vllm package (0.23.0 on)
 VLLM_CONNECTOR_FILE = "distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py"
 # as kvprop.targets (not imported here)
@@ -75,6 +76,8 @@ def _vllm_scope(target: str = "vllm") -> Scope:
         )
     core = Path(next(iter(spec.submodule_search_locations))) / "v1" / "core"
     names = VLLM_FILES + (VLLM_SCHEDULER_FILES if target == "vllm-scheduler" else ())
+    if target == "vllm-scheduler" and (core / VLLM_ASYNC_SCHEDULER_FILE).is_file():
+        names += (VLLM_ASYNC_SCHEDULER_FILE,)
     files = [core / name for name in names]
     missing = [str(f.relative_to(core)) for f in files if not f.is_file()]
     if missing:
@@ -323,7 +326,7 @@ def measure(
         cov.stop()
     elapsed = time.monotonic() - started
     setup = started - setup
-    files, classes, never, empty = tabulate(cov, sc)
+    files, classes, never, empty, functions = tabulate(cov, sc)
     specs: tuple = ()
     if any(one in VLLM_TARGETS for one in targets):  # the specs the release registers, driven or not
         from kvprop.targets.vllm.specs import census
@@ -353,6 +356,7 @@ def measure(
         files=tuple(files),
         classes=tuple(classes),
         never_entered=tuple(never),
+        functions=tuple(functions),
         empty_files=tuple(empty),
         imported_before=tuple(imported_before),
         html=str(html_dir / "index.html") if html_dir is not None else None,

@@ -100,6 +100,7 @@ class Report:
     files: tuple  # FileRow, with statements
     classes: tuple  # ClassRow
     never_entered: tuple  # Function
+    functions: tuple = ()  # ClassRow of each function: the statements of its body (--json only)
     empty_files: tuple = ()  # measured files without a single statement (a docstring alone)
     imported_before: tuple = ()  # measured modules imported before measuring began
     html: str | None = None
@@ -133,6 +134,9 @@ class Report:
             "never_entered": [
                 {"file": f.file, "function": f.name, "line": f.line, "abstract": f.abstract} for f in self.never_entered
             ],
+            "functions": [
+                {"file": f.file, "function": f.name, "line": f.line, **f.figures.as_dict()} for f in self.functions
+            ],
             "empty_files": list(self.empty_files),
             "imported_before": list(self.imported_before),
             "html": self.html,
@@ -151,14 +155,28 @@ class Executed:
     missing_branches: tuple
     arcs: frozenset  # every measured (from, to) arc; negative numbers are entries and exits
 
-    def figures(self, lo: int = 1, hi: int = 2**31) -> Figures:
-        """The figures of lines ``lo``..``hi``: statements there, branches whose source is there."""
-        statements = sum(1 for line in self.executed | self.missing if lo <= line <= hi)
-        missed = sum(1 for line in self.missing if lo <= line <= hi)
-        done = sum(1 for a, _ in self.executed_branches if lo <= a <= hi)
-        missed_branches = [a for a, _ in self.missing_branches if lo <= a <= hi]
+    def figures_of(self, lines) -> Figures:
+        """The figures of the statements on ``lines``, and of the branches whose source is there."""
+        statements = sum(1 for line in self.executed | self.missing if line in lines)
+        missed = sum(1 for line in self.missing if line in lines)
+        done = sum(1 for a, _ in self.executed_branches if a in lines)
+        missed_branches = [a for a, _ in self.missing_branches if a in lines]
         partial = sum(1 for a in missed_branches if a not in self.missing)
         return Figures(statements, missed, done + len(missed_branches), len(missed_branches), partial)
+
+
+def function_lines(node) -> frozenset:
+    """The lines of the bodies of the functions defined in ``node`` (a class, or a function and
+    those inside it): what runs when a method is called, not what runs as the class is defined
+    (its ``def`` lines, decorators and attributes run at import, walks or none). A body on its
+    ``def`` line runs both ways and is left out."""
+    lines: set = set()
+    for child in ast.walk(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for statement in child.body:
+                lines.update(range(statement.lineno, (statement.end_lineno or statement.lineno) + 1))
+            lines.discard(child.lineno)
+    return frozenset(lines)
 
 
 def _definitions(tree: ast.AST):
@@ -196,20 +214,23 @@ def _entered(node, data: Executed) -> bool:
 
 
 def analyse(path: str, name: str, data: Executed):
-    """(class rows, functions never entered) of one file."""
+    """(class rows, functions never entered, function rows) of one file."""
     try:
         tree = ast.parse(Path(path).read_text(encoding="utf-8"))
     except (OSError, SyntaxError, ValueError):
-        return [], []
-    classes, never = [], []
+        return [], [], []
+    classes, never, functions = [], [], []
     for kind, qualname, node in _definitions(tree):
         if node.lineno in data.excluded:
             continue
+        row = ClassRow(name, qualname, node.lineno, data.figures_of(function_lines(node)))
         if kind == "class":
-            classes.append(ClassRow(name, qualname, node.lineno, data.figures(_first_line(node), node.end_lineno)))
-        elif not _entered(node, data):
+            classes.append(row)
+            continue
+        functions.append(row)
+        if not _entered(node, data):
             never.append(Function(name, qualname, node.lineno, _abstract(node)))
-    return classes, never
+    return classes, never, functions
 
 
 def _file_data(cov, files) -> dict:
@@ -247,9 +268,10 @@ def _file_data(cov, files) -> dict:
 
 
 def tabulate(cov, sc: Scope):
-    """(file rows, class rows, functions never entered, empty files) of what ``cov`` measured."""
+    """(file rows, class rows, functions never entered, empty files, function rows) of what
+    ``cov`` measured."""
     data = _file_data(cov, sc.files)
-    files, classes, never, empty = [], [], [], []
+    files, classes, never, empty, functions = [], [], [], [], []
     for path in sc.files:
         name = os.path.relpath(path, sc.root)
         figures, executed = data.get(path, (ZERO, None))
@@ -257,10 +279,11 @@ def tabulate(cov, sc: Scope):
             empty.append(name)
             continue
         files.append(FileRow(name, path, figures))
-        c, n = analyse(path, name, executed)
+        c, n, f = analyse(path, name, executed)
         classes += c
         never += n
-    return files, classes, never, empty
+        functions += f
+    return files, classes, never, empty, functions
 
 
 def _table(head: str, rows, total=None, percent_statements: bool = True) -> list[str]:
