@@ -18,9 +18,8 @@ class Block:
 
 
 class ToyAllocator:
-    """The calls a scheduler makes. The free queue's head is evicted first: a freed block with a
-    cached prefix joins the tail (least recently freed goes first), one without joins the head
-    (nothing can hit it). A request's last block is freed first: a prefix outlives its tails."""
+    """The calls a scheduler makes. The free queue's head is evicted first: a freed cached block joins the tail, one
+    without a hash the head (nothing can hit it). A request's last block is freed first: a prefix outlives its tails."""
 
     def __init__(self, config: AllocatorConfig):
         self.block_size, self.caching = config.block_size, config.enable_caching
@@ -31,8 +30,7 @@ class ToyAllocator:
         self.num_cached: dict[str, int] = {}  # request id -> leading blocks already cached
         self.num_evictions = 0
 
-    def get_computed_blocks(self, request):
-        """The longest run of cached blocks from the start, short of the last token (it makes the logits)."""
+    def get_computed_blocks(self, request):  # the longest cached run from the start, short of the last token
         hits = []
         if self.caching:
             for block_hash in request.block_hashes[: (request.num_tokens - 1) // self.block_size]:
@@ -67,8 +65,7 @@ class ToyAllocator:
             del self.free_queue[block.block_id]
         block.ref_cnt += 1
 
-    def _pop_free(self) -> Block:
-        """The head of the free queue, evicted from the prefix cache if it held a prefix."""
+    def _pop_free(self) -> Block:  # the head of the free queue, evicted from the prefix cache if it held a prefix
         _, block = self.free_queue.popitem(last=False)
         if block.key is not None:
             del self.cache[block.key][block.block_id]
@@ -79,8 +76,7 @@ class ToyAllocator:
         block.ref_cnt = 1
         return block
 
-    def cache_blocks(self, request, num_computed_tokens: int) -> None:
-        """Cache the blocks ``num_computed_tokens`` fill, past those cached already."""
+    def cache_blocks(self, request, num_computed_tokens: int) -> None:  # those it fills, past those cached already
         if not self.caching:
             return
         start, full = self.num_cached[request.request_id], num_computed_tokens // self.block_size
@@ -90,8 +86,14 @@ class ToyAllocator:
         self.num_cached[request.request_id] = max(start, full)
 
     def free(self, request) -> None:
-        table = self.tables.pop(request.request_id)
+        self.free_popped_blocks(self.pop_blocks_for_free(request))
+
+    def pop_blocks_for_free(self, request) -> list[int]:  # taken from the request, still referenced
         del self.num_cached[request.request_id]
+        return [block.block_id for block in self.tables.pop(request.request_id)]
+
+    def free_popped_blocks(self, block_ids: list[int]) -> None:  # later (deferred_frees), or at once by free
+        table = [self.blocks[block_id] for block_id in block_ids]
         for block in reversed(table):
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
@@ -193,7 +195,6 @@ def make_broken_target(config: AllocatorConfig):
 ONE_FULL_GROUP = Shapes(
     frozenset({"full"}), 1, kv_events=False, full_report=False, eagle=False, hits_inside_blocks=False, retention=False
 )
-TARGET = Target("toy", make_target, "a toy allocator", Capabilities(evictions=True), ONE_FULL_GROUP)
-BROKEN_TARGET = Target(
-    "toy-broken", make_broken_target, "the toy, broken", Capabilities(evictions=True), ONE_FULL_GROUP
-)
+DECLARED = Capabilities(evictions=True, deferred_frees=True)
+TARGET = Target("toy", make_target, "a toy allocator", DECLARED, ONE_FULL_GROUP)
+BROKEN_TARGET = Target("toy-broken", make_broken_target, "the toy, broken", DECLARED, ONE_FULL_GROUP)

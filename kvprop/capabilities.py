@@ -28,6 +28,11 @@ class Capabilities:
     block_copies: bool = _capability(
         ("take_kv_cache_block_copies",), "allocator", "queues copies of shared blocks (hits inside a block)"
     )
+    deferred_frees: bool = _capability(
+        ("pop_blocks_for_free", "free_popped_blocks"),
+        "allocator",
+        "takes a request's blocks without freeing them, and frees them later (a scheduler's deferred frees)",
+    )
     caller_contract: bool = _capability(
         ("caller_contract",), "allocator", "names the malformed calls it refuses (Misuse operations)"
     )

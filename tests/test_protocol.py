@@ -41,8 +41,9 @@ def test_kvprop_targets_lists_the_registry_with_what_each_declares():
     assert (r.returncode, listed) == (0, expected)
 
 
-def test_vllm_registers_every_capability_but_whole_tables_key_lookup_and_a_fixed_null_count():
-    assert set(EVERY.declared()) - set(VLLM_CAPABILITIES.declared()) == {"raw_tables", "key_lookup", "null_count_fixed"}
+def test_vllm_registers_every_capability_but_whole_tables_key_lookup_a_fixed_null_count_and_deferred_frees():
+    expected = {"raw_tables", "key_lookup", "null_count_fixed", "deferred_frees"}
+    assert set(EVERY.declared()) - set(VLLM_CAPABILITIES.declared()) == expected
 
 
 def test_a_plain_pair_declares_nothing():
@@ -226,7 +227,7 @@ PROBES_LEFT = {
     "kvprop/targets/vllm/offload.py": (8, "the installed vLLM release's API"),
     "kvprop/targets/vllm/releases.py": (4, "the installed vLLM release's API, which differs between releases"),
     "kvprop/targets/vllm/scheduler.py": (4, "the installed vLLM release's API"),
-    "kvprop/targets/vllm/batches.py": (1, "the installed vLLM release's API"),
+    "kvprop/targets/vllm/batches.py": (2, "the installed vLLM release's API"),
     "kvprop/targets/vllm/view.py": (5, "the installed vLLM release's API, which differs between releases"),
 }
 

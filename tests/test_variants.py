@@ -24,6 +24,7 @@ SEED = 4
 OTHER_SEED = {
     "reserves-oldest-load-only": 3,  # seed 3: 29; seed 0: 222; seed 4: none in 1,000
     "checkpoint-chunk-past-block": 3,  # seed 3: 757; seeds 0, 1, 2 and 4: none in 1,000
+    "frees-without-fence": 3,  # seed 3: 20; seed 0: 202; seed 2: 107; seed 1: 753; seed 4: none in 1,000
 }
 MAX_SHRUNK = 12  # rule steps a find minimises to, at most
 

@@ -154,6 +154,10 @@ class KVCacheCoordinator:
         for manager in self.managers:
             manager.free(request_id)
 
+    def pop_blocks_for_free(self, request_id: str) -> list:
+        """Every group's blocks of the request, group after group, its records dropped."""
+        return [block for manager in self.managers for block in manager.pop_blocks_for_free(request_id)]
+
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return tuple([b.block_id for b in m.req_to_blocks.get(request_id, ())] for m in self.managers)
 

@@ -187,10 +187,14 @@ class SingleTypeManager:
         self.num_cached_block[request.request_id] = num_full
 
     def free(self, request_id: str) -> None:
-        table = self.req_to_blocks.pop(request_id, [])
+        self.pool.free_blocks(reversed(self.pop_blocks_for_free(request_id)))
+
+    def pop_blocks_for_free(self, request_id: str) -> list:
+        """The request's records dropped and its blocks returned, still referenced, in table
+        order: the caller frees them (vLLM's ``pop_blocks_for_free``, 0.24.0 on)."""
         self.num_cached_block.pop(request_id, None)
         self.partial_hit.pop(request_id, None)
-        self.pool.free_blocks(reversed(table))
+        return self.req_to_blocks.pop(request_id, [])
 
 
 class FullAttentionManager(SingleTypeManager):

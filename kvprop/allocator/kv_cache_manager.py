@@ -174,6 +174,21 @@ class KVCacheManager:
             raise RequestError(f"free: request {request.request_id!r} holds no blocks (never admitted, or freed)")
         self.coordinator.free(request.request_id)
 
+    def pop_blocks_for_free(self, request) -> list[int]:
+        """The request's blocks, group after group in table order, taken from it but still
+        referenced: a scheduler that defers the free while a batch in flight may write them
+        returns them later with ``free_popped_blocks`` (vLLM's ``pop_blocks_for_free``)."""
+        if not self.coordinator.is_admitted(request.request_id):
+            raise RequestError(
+                f"pop_blocks_for_free: request {request.request_id!r} holds no blocks (never admitted, or freed)"
+            )
+        return [block.block_id for block in self.coordinator.pop_blocks_for_free(request.request_id)]
+
+    def free_popped_blocks(self, block_ids: list[int]) -> None:
+        """Release blocks ``pop_blocks_for_free`` returned, last first, so that a request's tail
+        is evicted before its prefix (vLLM's ``_drain_deferred_frees``)."""
+        self.pool.free_blocks(reversed([self.pool.blocks[b] for b in block_ids]))
+
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
 

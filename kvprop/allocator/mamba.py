@@ -274,9 +274,9 @@ class MambaManager(SingleTypeManager):
             return None
         return self.pool.cache_partial(block, request.unit_hashes[position // u - 1], self.group_id, position, True)
 
-    def free(self, request_id: str) -> None:
+    def pop_blocks_for_free(self, request_id: str) -> list:
         self.checkpoints.pop(request_id, None)
         for state in (self.last_state_index, self.num_retired):
             state.pop(request_id, None)
         self.allocated.discard(request_id)
-        super().free(request_id)
+        return super().pop_blocks_for_free(request_id)

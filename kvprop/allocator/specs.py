@@ -516,6 +516,14 @@ class EngineConfig:
         draw=None,  # drawn last, by the sampler (kvprop.search.alphabet.pipeline_depth)
     )
 
+    @property
+    def fences_frees(self) -> bool:
+        """Whether a request's blocks wait for its last batch in flight before they are freed:
+        batches in flight beside a connector that loads (a KV consumer), whose load into a block
+        freed and handed out again is not ordered after a write still in flight there (vLLM's
+        ``defer_block_free``, ``Scheduler.__init__``, 0.24.0 on; kvprop.sim.fence)."""
+        return self.pipeline_depth > 1 and self.connector != "off"
+
     def __attrs_post_init__(self):
         for spec in self.allocator.groups:
             if not isinstance(spec, Mamba):
@@ -566,10 +574,6 @@ def pipeline_problem(config: EngineConfig) -> str | None:
         return "with a Mamba group: its state columns in flight are not modelled"
     if config.lookahead:
         return f"with lookahead slots (lookahead={config.lookahead}): an EAGLE drafter's, not modelled in flight"
-    if config.connector != "off":
-        # a load may write a block a batch in flight still writes: vLLM fences the frees then
-        # (defer_block_free, 0.34.0), which kvprop does not model yet
-        return f"with a connector (connector={config.connector!r}): the deferred-free fence is not modelled"
     return None
 
 

@@ -190,6 +190,7 @@ CENSUS: dict[str, dict[str, Judgement]] = {
         "next_id": Derived("the next request id; an id is never reused (a reuse would show as a foreign table)"),
         "events": Derived("counts of the engine events reached, the search's coverage; nothing decides on them"),
         "batches": Judged(("output-not-continuation", "data-mismatch", "write-to-shared-block", "liveness")),
+        "fence": Judged(("data-mismatch", "ref-cnt-mismatch", "liveness")),
         "sched_steps": Derived("a count of the schedules so far, which the decode stagger reads (vLLM's current_step)"),
         "copy_reserve": CONFIG,
         "caches_after_output": CONFIG,
@@ -214,6 +215,10 @@ CENSUS: dict[str, dict[str, Judgement]] = {
         "num_in_flight": Judged(("data-mismatch", "null-in-attended-range", "output-not-continuation")),
         "num_output_placeholders": Judged(("table-length", "table-too-short", "output-not-continuation")),
         "num_stale": Judged(("output-not-continuation",)),
+        "last_sched_seq": Derived(
+            "the fenced step a request was last scheduled in (vLLM's last_sched_seq), which decides whether its "
+            "free waits (kvprop.sim.fence)"
+        ),
         "decode_at": Derived("when a request may decode again with pipeline stages (vLLM's next_decode_eligible_step)"),
         "status": Judged(("liveness", "table-without-admission", "admitted-without-table", "proceeds-before-load")),
         "pending_external": Judged(("table-length", "proceeds-before-load")),
@@ -262,6 +267,8 @@ VIEW: dict[str, Judgement] = {
     "new_step_starts": Derived("a notice the engine sends; what the target does with it is judged by the rest"),
     "take_kv_cache_block_copies": Judged(("data-mismatch",)),
     "caller_contract": Judged(("misuse-accepted", "misuse-changed-state")),
+    "pop_blocks_for_free": Judged(("ref-cnt-mismatch", "freed-request-remains")),
+    "free_popped_blocks": Judged(("ref-cnt-mismatch", "free-queue-membership", "liveness")),
     "num_evictions": Derived("a statistic; kvprop agree compares it with kvprop's own count"),
     "extra_keys": Judged(("cache-map-missing", "cache-map-stale")),
     "further_keys": Judged(("cache-map-stale", "hit-too-long")),

@@ -292,7 +292,7 @@ class Checker(Hooks):
             tables, keys = self._sweep_structure(engine, pending, admitted_now)
             return tables, keys, None
         if self.mirror is None:
-            self.mirror = Mirror(view, engine.capabilities)
+            self.mirror = Mirror(view, engine.capabilities, engine.fenced_blocks)
         changed = view.take_changes() | self.pending_changes
         changed.add(view.null_block_id)  # the null block's own state, at every check
         self.pending_changes = set()
@@ -320,7 +320,7 @@ class Checker(Hooks):
         tables = inv.gather_tables(view)
         ref_cnts, keys = view.ref_cnts(), view.cache_keys()
         inv.check_free_queue_links(view)
-        inv.check_blocks(view, tables, ref_cnts, keys, engine.capabilities.null_count_fixed)
+        inv.check_blocks(view, tables, ref_cnts, keys, engine.capabilities.null_count_fixed, engine.fenced_blocks())
         inv.check_conservation(view, ref_cnts)
         inv.check_tables(engine, view, tables, keys, pending or {}, admitted_now)
         return tables, keys
@@ -382,7 +382,7 @@ class Checker(Hooks):
         data.check_data(engine, view, tables, keys, self.expected_rows)
         self.check_events(engine)
         if self.incremental(engine):
-            self.mirror = Mirror(view, engine.capabilities)
+            self.mirror = Mirror(view, engine.capabilities, engine.fenced_blocks)
             self.signatures.clear()
             self.pending_changes = set()
             self.judged_in_step = set()

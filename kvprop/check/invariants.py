@@ -65,17 +65,28 @@ def pending_copy_refs(view) -> dict:
     return Counter(block_id for pair in pairs for block_id in pair) if pairs else NO_COPIES
 
 
+def refs_outside_tables(view, fenced: dict) -> dict:
+    """Block id -> the references no table holds: those of queued block copies, and those of
+    deferred frees (``fenced``, the engine's fence: a freed request's blocks while its last
+    batch is in flight, kvprop.sim.fence)."""
+    copies = pending_copy_refs(view)
+    if not fenced:
+        return copies
+    return Counter(copies) + Counter(fenced)
+
+
 # ---- per-block sentences, shared by the full sweep and the incremental checker -----------
 
 
 def block_ref_cnt(block_id: int, ref_cnt: int, holders: int, who=(), copies: int = 0) -> None:
     """1. ref_cnt(b) is never negative and equals the number of (request, group) table entries
     holding b, plus the queued block copies that name b (a copy holds its source and its
-    destination until the scheduler takes it; vLLM's ``_apply_cow``)."""
+    destination until the scheduler takes it; vLLM's ``_apply_cow``) and the deferred frees that
+    hold it (``refs_outside_tables``)."""
     if ref_cnt < 0:
         raise Violation("negative-ref-cnt", f"block {block_id} has ref_cnt {ref_cnt}", blocks=[block_id])
     if ref_cnt != holders + copies:
-        queued = f" and {copies} queued copies" if copies else ""
+        queued = f" and {copies} queued copies or deferred frees" if copies else ""
         raise Violation(
             "ref-cnt-mismatch",
             f"block {block_id} has ref_cnt {ref_cnt} but {holders} table entries{queued} hold it",
@@ -190,8 +201,9 @@ def map_entry(block_id: int, map_key, block_key, further=()) -> None:
 # ---- the full sweep ------------------------------------------------------------------------
 
 
-def check_blocks(view, tables, ref_cnts, keys, null_count_fixed: bool = False) -> None:
-    """1-4 for every block, from every table; with ``null_count_fixed`` the null block's count too."""
+def check_blocks(view, tables, ref_cnts, keys, null_count_fixed: bool = False, fenced=NO_COPIES) -> None:
+    """1-4 for every block, from every table; with ``null_count_fixed`` the null block's count
+    too; ``fenced``: the references deferred frees hold (``refs_outside_tables``)."""
     holders: Counter[int] = Counter()
     groups_of: defaultdict[int, set[int]] = defaultdict(set)
     who: defaultdict[int, set[str]] = defaultdict(set)
@@ -204,7 +216,7 @@ def check_blocks(view, tables, ref_cnts, keys, null_count_fixed: bool = False) -
                 who[block_id].add(rid)
     in_queue = set(view.free_queue_ids())
     further = extra_keys(view)
-    copies = pending_copy_refs(view)
+    copies = refs_outside_tables(view, fenced)
     mapped = defaultdict(set)
     for key, block_id in sorted(view.cache_map_items(), key=lambda item: item[1]):  # the lowest block first
         map_entry(block_id, key, keys[block_id], further.get(block_id, ()))

@@ -15,7 +15,7 @@ from kvprop.check import invariants as inv
 
 
 class Mirror:
-    def __init__(self, view, capabilities) -> None:
+    def __init__(self, view, capabilities, fenced=dict) -> None:
         self.view = view
         n = view.num_blocks
         self.tables: dict[tuple[str, int], list] = {}  # the block objects, compared by identity
@@ -34,6 +34,7 @@ class Mirror:
         self.further_keys = view.further_keys if capabilities.keys_inside_blocks else None
         self.raw_tables = view.raw_tables if capabilities.raw_tables else None
         self.null_count_fixed = capabilities.null_count_fixed
+        self.fenced = fenced  # the references deferred frees hold (the engine's fence)
         view.take_changes()
         self.sync(set(range(n)), check=False)
 
@@ -121,7 +122,7 @@ class Mirror:
         view, null, num_groups = self.view, self.view.null_block_id, self.view.num_groups
         keys, free, tables_of = self.keys, self.free, self.tables_of
         first_keys = self.first_keys
-        copies = inv.pending_copy_refs(view) if check else {}
+        copies = inv.refs_outside_tables(view, self.fenced()) if check else {}
         for block_id in sorted(changed):  # the lowest block first, as the full sweep reports
             old_key = keys[block_id]
             old_further = self.further.pop(block_id, ())

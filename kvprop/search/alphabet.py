@@ -394,6 +394,10 @@ class Preempt:
     def apply(self, h: Harness) -> str:
         if not h.engine.preempts_on_request:
             return "not made: this target's scheduler preempts by its own policy"
+        rid = _pick([r.request_id for r in h.engine.running], self.index)
+        why = None if rid is None else h.engine.why_not_preempt(rid)
+        if why is not None:
+            return f"not made: {why}"
         return _on_running(h, self.index, h.engine.preempt, "preempted")
 
 

@@ -18,7 +18,8 @@ from kvprop.sim.connector import Connector
 from kvprop.sim.hooks import Hooks
 from kvprop.sim.misuse import MISUSES, BuggyCaller
 from kvprop.sim.pipeline import Pipeline
-from kvprop.sim.scheduler import Scheduler, StepReport
+from kvprop.sim.scheduler import Scheduler
+from kvprop.sim.step_report import StepReport
 from kvprop.sim.target_calls import TargetCalls
 from kvprop.sim.worker import Worker
 

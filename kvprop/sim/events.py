@@ -19,7 +19,9 @@ EVENTS = (
     "draft rejected",
     "two batches in flight",
     "three batches in flight",
+    "free deferred behind a batch in flight",
 )
 (EV_CROSS_GROUP, EV_EVICT, EV_PREEMPT, EV_REHIT, EV_SKIP, EV_LOAD_FAIL, EV_ABORT_LOAD) = EVENTS[:7]
-EV_SPEC_ACCEPT, EV_SPEC_REJECT, EV_TWO_IN_FLIGHT, EV_THREE_IN_FLIGHT = EVENTS[7:]
+EV_SPEC_ACCEPT, EV_SPEC_REJECT, EV_TWO_IN_FLIGHT, EV_THREE_IN_FLIGHT, EV_DEFERRED_FREE = EVENTS[7:]
 PIPELINE_EVENTS = (EV_TWO_IN_FLIGHT, EV_THREE_IN_FLIGHT)
+IN_FLIGHT_ONLY = (*PIPELINE_EVENTS, EV_DEFERRED_FREE)  # reached only by a scheduler with batches in flight

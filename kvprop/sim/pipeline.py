@@ -32,11 +32,12 @@ import attrs
 
 from kvprop.allocator.hashing import fingerprint
 from kvprop.allocator.specs import EngineConfig
-from kvprop.sim.events import PIPELINE_EVENTS
+from kvprop.sim.events import EV_DEFERRED_FREE, PIPELINE_EVENTS
+from kvprop.sim.fence import FreeFence
 from kvprop.sim.hooks import Hooks
 from kvprop.sim.memory import PagedMemory
 from kvprop.sim.request import Request, Status
-from kvprop.sim.scheduler import StepReport
+from kvprop.sim.step_report import StepReport
 from kvprop.sim.target_calls import TargetCalls
 
 
@@ -60,6 +61,7 @@ class Batch:
     report: StepReport
     rows: list[Row] = attrs.field(factory=list)
     output: Any = None
+    fence: int = 0  # its step number under the deferred-free fence (kvprop.sim.fence); 0 without
 
 
 class Pipelined(Protocol):
@@ -123,6 +125,7 @@ class Pipeline:
     hooks: Hooks
     memory: PagedMemory
     target_calls: TargetCalls
+    events: Counter
     caches_after_output: bool
     _schedule: Callable[[StepReport], None]
     worker_block_ids: Callable[[str], Any]
@@ -133,6 +136,33 @@ class Pipeline:
         depth = self.config.pipeline_depth
         self.batches = BatchQueue(depth) if depth > 1 else None
         self.sched_steps = 0  # schedule() calls so far (vLLM's current_step)
+        self.fence = FreeFence() if self.config.fences_frees else None  # kvprop.sim.fence
+
+    def fenced_blocks(self) -> Counter:
+        """Block id -> the references deferred frees hold on it (invariant 1 counts them)."""
+        return Counter() if self.fence is None else self.fence.held()
+
+    def frees_at_once(self, request: Request) -> bool:
+        """Whether ``request``'s blocks return to the pool as soon as it gives them back: always,
+        but while the deferred-free fence holds it (its last batch is in flight)."""
+        return self.fence is None or self.fence.frees_at_once(request.last_sched_seq)
+
+    def why_not_preempt(self, request_id: str) -> str | None:
+        """Why ``Preempt`` is not made for ``request_id`` now, or None: vLLM preempts no request
+        whose blocks it cannot free at once (``_request_blocks_can_be_freed``, 0.30.0 on)."""
+        if self.frees_at_once(self.requests[request_id]):
+            return None
+        return f"{request_id}'s last batch is in flight: a preemption would only defer its free"
+
+    def _free_blocks(self, request: Request) -> None:
+        """Freed at once, or, while the fence holds ``request`` (its last batch is in flight),
+        taken from it and freed when that batch is back."""
+        if self.frees_at_once(request):
+            self.target_calls.free(request)
+            return
+        assert self.fence is not None  # only the fence holds a request back
+        self.fence.defer(self.target_calls.pop_blocks_for_free(request))
+        self.events[EV_DEFERRED_FREE] += 1
 
     def pending_blocks(self) -> set[int]:
         """The blocks batches in flight will write into (none synchronously): the data oracle
@@ -168,6 +198,8 @@ class Pipeline:
         self._schedule(report)
         self.hooks.before_execute(self, report)  # what it schedules, judged as it is dispatched
         batch = Batch(report)
+        if self.fence is not None and sum(report.scheduled.values()) > 0:
+            batch.fence = self.fence.batch_scheduled()
         stagger = self.config.pipeline_depth - 1  # vLLM's decode_stagger: its pipeline stages
         for rid, n in report.scheduled.items():
             request = self.requests[rid]
@@ -175,6 +207,7 @@ class Pipeline:
             tables = [list(t) for t in self.worker_block_ids(rid)]
             request.num_computed_tokens += n
             request.num_in_flight += n
+            request.last_sched_seq = batch.fence or request.last_sched_seq
             samples = request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders
             if samples:
                 request.num_output_placeholders += 1
@@ -196,6 +229,9 @@ class Pipeline:
         """The batch's pass runs, then its output comes back (vLLM's ``update_from_output``)."""
         report = StepReport(copies=batch.report.copies)
         self._run_pass(batch)
+        if batch.fence and self.fence is not None:  # every write up to this batch has run: its fenced frees go back
+            for block_ids in self.fence.batch_processed():
+                self.target_calls.free_popped_blocks(block_ids)
         for row in batch.rows:
             self._take_row_output(row, report)
         return report

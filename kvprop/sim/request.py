@@ -73,6 +73,7 @@ class Request:
         "num_output_placeholders",
         "num_stale",
         "decode_at",
+        "last_sched_seq",
     )
 
     def __init__(
@@ -106,11 +107,13 @@ class Request:
         self.spec_prefix: list[int] = []  # the rolling prefix hash through each draft
         # With batches in flight (kvprop.sim.pipeline), as vLLM's Request counts them: tokens
         # scheduled whose output has not come back (inside num_computed_tokens), outputs still to
-        # come, the in-flight tokens of a preempted incarnation, and the step it may decode again.
+        # come, the in-flight tokens of a preempted incarnation, the step it may decode again, and
+        # the fenced step it was last scheduled in (kvprop.sim.fence).
         self.num_in_flight = 0
         self.num_output_placeholders = 0
         self.num_stale = 0
         self.decode_at = 0
+        self.last_sched_seq = 0
         self.extend_tokens(prompt)
 
     def __repr__(self):

@@ -20,8 +20,6 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
-import attrs
-
 from kvprop.allocator.specs import Mamba, cdiv
 from kvprop.capabilities import Capabilities
 from kvprop.errors import RequestError, TargetCrash
@@ -40,18 +38,8 @@ from kvprop.sim.events import (
 from kvprop.sim.hooks import Hooks
 from kvprop.sim.load_room import LoadRoom
 from kvprop.sim.request import Request, Status, arrival, live
+from kvprop.sim.step_report import StepReport
 from kvprop.sim.target_calls import TargetCalls
-
-
-@attrs.define
-class StepReport:
-    """What one step did: tokens scheduled per request, admissions, preemptions, ends, block copies."""
-
-    scheduled: dict = attrs.field(factory=dict)
-    admitted: list = attrs.field(factory=list)
-    preempted: list = attrs.field(factory=list)
-    finished: list = attrs.field(factory=list)
-    copies: list = attrs.field(factory=list)  # (source block, copy) pairs the worker copies first
 
 
 class Scheduler(ChunkRules, LoadRoom):
@@ -71,6 +59,8 @@ class Scheduler(ChunkRules, LoadRoom):
     batches: Any
     _decode_waits: Callable[[Request], bool]
     in_flight: Callable[[], int]
+    frees_at_once: Callable[[Request], bool]  # and its deferred-free fence (kvprop.sim.fence)
+    _free_blocks: Callable[[Request], None]
 
     # What an engine whose own scheduler is in charge may not do, as the drivers ask it
     # (kvprop.targets.vllm.scheduler says why for vLLM's): preempt when asked, fail a load.
@@ -153,7 +143,7 @@ class Scheduler(ChunkRules, LoadRoom):
         scheduler target takes over with its own scheduler's free, and the canary's fault
         (``kvprop.targets.canary``) skips once."""
         self.admitted_at.pop(request.request_id, None)
-        self.target_calls.free(request)
+        self._free_blocks(request)
         self._forget_states(request.request_id)
         self.hooks.after_free(self, request)
 
@@ -314,12 +304,16 @@ class Scheduler(ChunkRules, LoadRoom):
             if n == 0:
                 i += 1
                 continue
-            while self._allocate(request, n, num_lookahead_tokens=self.config.lookahead) is None:
+            while (blocks := self._allocate(request, n, num_lookahead_tokens=self.config.lookahead)) is None:
+                if not self.frees_at_once(self.running[-1]):
+                    break  # a deferred free will not help this allocation (vLLM 0.30.0 on)
                 victim = self.running.pop()
                 self._preempt(victim)
                 report.preempted.append(victim.request_id)
                 if victim is request:
                     break
+            if blocks is None:
+                break  # vLLM: "Cannot schedule this request" (it preempted itself, or the fence holds)
             if request.status is Status.RUNNING:
                 report.scheduled[request.request_id] = n
                 budget -= n

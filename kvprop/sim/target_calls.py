@@ -51,6 +51,12 @@ class TargetCalls:
     def free(self, request) -> None:
         self._cross("free", request)
 
+    def pop_blocks_for_free(self, request) -> list[int]:
+        return self._cross("pop_blocks_for_free", request)
+
+    def free_popped_blocks(self, block_ids: list[int]) -> None:
+        self._cross("free_popped_blocks", block_ids)
+
     def cache_blocks(self, request, num_computed_tokens: int) -> None:
         self._cross("cache_blocks", request, num_computed_tokens)
 

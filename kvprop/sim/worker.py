@@ -23,7 +23,7 @@ from kvprop.sim.connector import Connector
 from kvprop.sim.hooks import Hooks
 from kvprop.sim.memory import PagedMemory
 from kvprop.sim.request import Request
-from kvprop.sim.scheduler import StepReport
+from kvprop.sim.step_report import StepReport
 from kvprop.sim.target_calls import TargetCalls
 
 

@@ -155,7 +155,7 @@ def build_engine(config, variant=None, target=None, device=None, hooks=None, can
     if described.own_scheduler:  # it builds the whole engine, its own scheduler in charge
         return _call_factory(target, factory, config, device=device, hooks=hooks, canary=canary)
     built = check_built(target, _call_factory(target, factory, config.allocator), described.capabilities)
-    check_needed(target, built.capabilities, config.allocator)
+    check_needed(target, built.capabilities, config)
     engine_cls = with_canary(Engine) if canary else Engine
     view = complete_view(built.view, built.capabilities)
     return engine_cls(config, built.allocator, view, device=device, hooks=hooks, capabilities=built.capabilities)

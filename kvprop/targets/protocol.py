@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
 
-from kvprop.allocator.specs import AllocatorConfig, Mamba
+from kvprop.allocator.specs import EngineConfig, Mamba
 from kvprop.capabilities import ANY_SHAPE, EVERY, NONE, Capabilities, Shapes
 from kvprop.errors import ConfigError
-from kvprop.sim.events import EV_EVICT, EV_PREEMPT, EV_REHIT, EVENTS, PIPELINE_EVENTS
+from kvprop.sim.events import EV_EVICT, EV_PREEMPT, EV_REHIT, EVENTS, IN_FLIGHT_ONLY
 
 __all__ = [
     "ANY_SHAPE",
@@ -189,14 +189,21 @@ SHAPE_WITHOUT = {
     "block_copies": "hits_inside_blocks=False",
     "keys_inside_blocks": "hits_inside_blocks=False",
     "pending_copies": "hits_inside_blocks=False",
+    "deferred_frees": 'options without "pipeline_depth"',
 }
 
 
-def needed(config: AllocatorConfig) -> dict[str, str]:
+def needed(engine_config: EngineConfig) -> dict[str, str]:
     """The capabilities a configuration needs its target to declare, each with why: on that
     shape the engine makes their calls and the checks read their reports, and a correct
     allocator run without them fails there (its view completed with empty reports)."""
+    config = engine_config.allocator
     needs = {}
+    if engine_config.fences_frees:
+        needs["deferred_frees"] = (
+            "batches in flight beside a connector that loads: a request's blocks are taken by "
+            "pop_blocks_for_free() and freed by free_popped_blocks() once its last batch is back"
+        )
     if config.enable_kv_cache_events:
         needs["kv_events"] = "enable_kv_cache_events=True: the checks replay take_events()"
     if config.enable_caching and any(isinstance(spec, Mamba) for spec in config.groups):
@@ -214,7 +221,7 @@ def needed(config: AllocatorConfig) -> dict[str, str]:
     return needs
 
 
-def check_needed(target: str, declared: Capabilities, config: AllocatorConfig) -> None:
+def check_needed(target: str, declared: Capabilities, config: EngineConfig) -> None:
     """A ConfigError (the configuration refused, and counted so) where ``config`` needs a
     capability ``target`` does not declare, naming each and how to declare it."""
     offered = declared.declared()
@@ -301,8 +308,11 @@ class Target:
 
 # vLLM's targets declare every call of the contract but a group's tables at once and an O(1)
 # key lookup, which vLLM's structures do not offer cheaply (kvprop.targets.vllm); a fixed
-# null-block count only where the release keeps one, declared by its factory.
-VLLM_CAPABILITIES = attrs.evolve(EVERY, raw_tables=False, key_lookup=False, null_count_fixed=False)
+# null-block count only where the release keeps one, declared by its factory; and no deferred
+# frees: the manager target draws no batches in flight, and the scheduler target's own defers.
+VLLM_CAPABILITIES = attrs.evolve(
+    EVERY, raw_tables=False, key_lookup=False, null_count_fixed=False, deferred_frees=False
+)
 
 REGISTRY = {
     t.name: t
@@ -323,7 +333,7 @@ REGISTRY = {
             startup="kvprop.targets.vllm.config:check_startup",
             package="vllm",
             # kvprop's scheduler runs synchronously in front of vLLM's manager here
-            events=tuple(e for e in EVENTS if e not in PIPELINE_EVENTS),
+            events=tuple(e for e in EVENTS if e not in IN_FLIGHT_ONLY),
         ),
         Target(
             "vllm-scheduler",

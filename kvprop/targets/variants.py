@@ -129,8 +129,8 @@ class StateRecordsKeptManager(MambaManager):
     """A state group's free drops the table but keeps the request's retired count and previous
     running state, which a preempted request then resumes from."""
 
-    def free(self, request_id):
-        SingleTypeManager.free(self, request_id)
+    def pop_blocks_for_free(self, request_id):
+        return SingleTypeManager.pop_blocks_for_free(self, request_id)
 
 
 class SwaSkipOffByOne(SlidingWindowManager):
@@ -174,6 +174,15 @@ class ResumesBeforeStaleOutput(Engine):
     @staticmethod
     def _waits_for_output(request):
         return False
+
+
+class FreesWithoutFence(Engine):
+    """With batches in flight beside a connector that loads, a request's blocks are freed at
+    once although its last batch is still in flight: a load into one of them, handed out again,
+    races that batch's write (vLLM's deferred-free fence, ``defer_block_free``, 0.24.0)."""
+
+    def frees_at_once(self, request):
+        return True
 
 
 class LoadsUnreserved(Engine):
@@ -522,6 +531,12 @@ VARIANTS = {
             "with batches in flight, a preempted request resumes before its in-flight output has come back",
             caught_as="output-not-continuation",
             engine=ResumesBeforeStaleOutput,
+        ),
+        Variant(
+            "frees-without-fence",
+            "with batches in flight beside a loading connector, a request's blocks are freed while its batch runs",
+            caught_as="data-mismatch",
+            engine=FreesWithoutFence,
         ),
         Variant(
             "loads-unreserved",

@@ -17,11 +17,12 @@ computed tokens include those in flight, its placeholders are vLLM's ``num_outpu
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 from kvprop.sim.pipeline import Batch, Row
-from kvprop.sim.scheduler import StepReport
+from kvprop.sim.step_report import StepReport
 
 
 class SchedulerBatches:
@@ -39,6 +40,18 @@ class SchedulerBatches:
     _run_pass: Callable[[Batch], None]
     _dispatch: Callable[[list[Row]], None]
     _take_outputs: Callable[[StepReport, Any], None]
+    # the worker side of vLLM's offloading connector (kvprop.targets.vllm.offload)
+    stores_due: list
+    _start_transfers: Callable[[Any], None]
+    _after_pass: Callable[[Any, list], None]
+    _connector_output: Callable[[], Any]
+
+    def fenced_blocks(self) -> Counter:
+        """Block id -> the references vLLM's deferred frees hold: a freed request's blocks while
+        its last batch is in flight (``Scheduler.deferred_frees``, 0.24.0 on; kvprop.sim.fence)."""
+        if not self.s.fences_frees or not self.scheduler.deferred_frees:
+            return Counter()
+        return Counter(block.block_id for _, blocks in self.scheduler.deferred_frees for block in blocks)
 
     def has_work(self) -> bool:
         """The engine core schedules while the scheduler holds unfinished requests (``has_requests``)."""
@@ -52,6 +65,12 @@ class SchedulerBatches:
             starts = self._hand_to_worker(output)
             report.copies = [(c.src_block_id, c.dst_block_id) for c in self._copies(output)]
             batch = Batch(report, output=output)
+            meta = self._connector_meta(output)
+            if meta is not None:
+                # the worker takes the batch's transfers as it launches it: the stores a reused
+                # block owes are flushed, and a load runs outside the stream, not after the
+                # batches still in flight (what vLLM's deferred-free fence is for)
+                self._start_transfers(meta)
             for rid, n in output.num_scheduled_tokens.items():
                 report.scheduled[rid] = n
                 request = self.requests[rid]
@@ -71,6 +90,9 @@ class SchedulerBatches:
         report = self.report = StepReport(copies=batch.report.copies)
         try:
             self._run_pass(batch)
+            meta = self._connector_meta(batch.output)
+            due, self.stores_due = self.stores_due, []
+            self._after_pass(meta, due)
             ids, sampled = [], []
             for row in batch.rows:
                 request = row.request
@@ -80,6 +102,8 @@ class SchedulerBatches:
                     request.num_in_flight -= row.num_tokens
                     request.num_stale = max(0, request.num_stale - row.num_tokens)
             extra = {"req_id_to_index": {rid: i for i, rid in enumerate(ids)}} if self.s.indexed_outputs else {}
+            if self.scheduler.connector is not None:
+                extra["kv_connector_output"] = self._connector_output()
             model_output = self.s.ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, **extra)
             self._call("Scheduler.update_from_output", self.scheduler.update_from_output, batch.output, model_output)
             self._take_outputs(StepReport(scheduled=dict(batch.report.scheduled)), batch.output)
@@ -90,6 +114,11 @@ class SchedulerBatches:
         finally:
             self.report = None
         return report
+
+    @staticmethod
+    def _connector_meta(output):
+        """The connector's metadata a batch carries (None without a connector)."""
+        return getattr(output, "kv_connector_metadata", None)
 
     @staticmethod
     def _copies(output) -> list:

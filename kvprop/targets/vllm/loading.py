@@ -129,6 +129,8 @@ def import_scheduler() -> SimpleNamespace:
         ModelRunnerOutput=ModelRunnerOutput,
         # up to 0.33.0 an output maps each request id to its row; 0.34.0 reads the rows' order
         indexed_outputs="req_id_to_index" in inspect.signature(ModelRunnerOutput).parameters,
+        # the deferred-free fence (defer_block_free, deferred_frees), 0.24.0 on
+        fences_frees="_drain_deferred_frees" in vars(Scheduler),
         RequestStatus=RequestStatus,
         StructuredOutputManager=StructuredOutputManager,
     )

@@ -30,7 +30,16 @@ import inspect
 from kvprop.allocator.specs import EngineConfig
 from kvprop.errors import ConfigError
 from kvprop.sim.engine import Engine, StepReport
-from kvprop.sim.events import EV_ABORT_LOAD, EV_EVICT, EV_LOAD_FAIL, EV_PREEMPT, EV_SKIP, EV_SPEC_ACCEPT, EV_SPEC_REJECT
+from kvprop.sim.events import (
+    EV_ABORT_LOAD,
+    EV_DEFERRED_FREE,
+    EV_EVICT,
+    EV_LOAD_FAIL,
+    EV_PREEMPT,
+    EV_SKIP,
+    EV_SPEC_ACCEPT,
+    EV_SPEC_REJECT,
+)
 from kvprop.sim.request import Status
 from kvprop.sim.target_calls import OwnLoopCalls
 from kvprop.targets.vllm.batches import SchedulerBatches
@@ -124,6 +133,16 @@ class SchedulerEngine(SchedulerBatches, OwnLoopCalls, OffloadWorker, Engine):
         manager.take_events = take_events
         manager.allocate_slots = allocate_slots
         manager.free = free
+        if self.s.fences_frees:  # the fence takes a request's blocks from it and frees them later
+            real_pop = manager.pop_blocks_for_free
+
+            def pop_blocks_for_free(vreq):
+                blocks = real_pop(vreq)
+                self.events[EV_DEFERRED_FREE] += 1
+                self._hook(self._after_free, vreq)
+                return blocks
+
+            manager.pop_blocks_for_free = pop_blocks_for_free
 
     def _mirror(self, vreq):
         """kvprop's record of ``vreq``, its computed count and its shared-prefix junction brought
