@@ -46,3 +46,35 @@ def test_a_worker_before_its_first_run_is_held_to_the_start_grace(tmp_path):
     path = tmp_path / "journal"
     path.write_text("")
     assert hung_for(path, 0.0, START_GRACE - 1, call_timeout=1, build_timeout=1) is None
+
+
+class _SizeAfterEachCall:
+    """The journal's file, recording the size on disk after each call the journal makes."""
+
+    def __init__(self, file, path):
+        self.file, self.path, self.sizes = file, path, []
+
+    def __getattr__(self, name):
+        call = getattr(self.file, name)
+
+        def recorded(*args):
+            result = call(*args)
+            self.sizes.append(self.path.stat().st_size)
+            return result
+
+        return recorded
+
+
+def test_a_new_run_never_leaves_the_journal_empty_on_disk(tmp_path):
+    """An empty journal reads as a worker that never began a run, which the supervisor holds to
+    the start-up grace alone: a long call whose journal it reads empty would be judged hung."""
+    from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention
+    from kvprop.search.journal import Journal
+    from kvprop.search.trace import Trace
+
+    journal = Journal(tmp_path / "journal")
+    trace = Trace(EngineConfig(AllocatorConfig((FullAttention(4),), 8)), ())
+    journal.begin(trace, 0)
+    journal.file = watched = _SizeAfterEachCall(journal.file, journal.path)
+    journal.begin(trace, 1)
+    assert (min(watched.sizes) > 0, journal.path.read_text().count("\nrun ")) == (True, 0)

@@ -49,9 +49,11 @@ class Journal:
         from kvprop.search.trace import to_dict  # imported here: a coverage worker imports the specs later
 
         header = {"index": index, "trace": to_dict(attrs.evolve(trace, steps=(), failure=None))}
+        # written over the last run, then cut to length: the file is never empty once a run has
+        # begun, which the supervisor would read as a worker that never started (supervisor.begun)
         self.file.seek(0)
-        self.file.truncate()
         self.file.write(f"run {json.dumps(header)}\n")
+        self.file.truncate()
         self.file.flush()
 
     def built(self) -> None:
