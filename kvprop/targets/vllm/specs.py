@@ -28,14 +28,19 @@ from kvprop.targets.vllm.loading import import_vllm
 from kvprop.targets.vllm.shapes import release_shapes
 from kvprop.targets.vllm.spec_classes import LAYOUT_SPECS
 
-NOT_DRIVEN = {
-    "CrossAttentionSpec": "encoder-decoder cross attention: needs encoder inputs kvprop's requests do not have",
-    "SinkFullAttentionSpec": "attention sinks: kvprop does not model sink tokens",
-    "HiSparseHotSpec": "host-pool sparse attention (HiSparse): a host-memory tier kvprop does not model",
-    "HiSparseResidentSpec": "host-pool sparse attention (HiSparse): a host-memory tier kvprop does not model",
-    "CircularBufferSpec": "a ring buffer of one block per request, never prefix-cached",
-    "KpoolTailSpec": "a ring of index-key tail blocks, never prefix-cached",
-    "RSWASpec": "retained-prefix windows (the prompt kept plus a decode window): not modelled in kvprop's allocator",
+NOT_DRIVEN = {  # why, and the served models that build each (vLLM 0.34.0's model code)
+    "CrossAttentionSpec": "encoder-decoder cross attention (GPT-2 with cross attention, BLIP-2, Granite 4 Vision, "
+    "Nemotron Parse): its blocks hold the encoder's output, which kvprop's requests have no stand-in for",
+    "SinkFullAttentionSpec": "static attention sinks (openPangu): sink tokens kvprop does not model",
+    "HiSparseHotSpec": "host-pool sparse attention, HiSparse (DeepSeek V3.2, Kimi K3 DSA): a host-memory tier and "
+    "an indexer's page choice kvprop does not model",
+    "HiSparseResidentSpec": "host-pool sparse attention, HiSparse (DeepSeek V3.2, Kimi K3 DSA): a host-memory tier "
+    "and an indexer's page choice kvprop does not model",
+    "CircularBufferSpec": "a ring buffer of one block per request, never prefix-cached (the compressor and indexer "
+    "caches of DeepSeek V4.1, Qwen4-exp, GLM-5-Next, Step-5): written by the model's own kernels",
+    "KpoolTailSpec": "a ring of index-key tail blocks, never prefix-cached (sparse-attention indexers, 0.30.0)",
+    "RSWASpec": "retained-prefix windows, the prompt kept plus a decode window (Unlimited-OCR on FlashAttention 4): "
+    "not modelled in kvprop's allocator",
 }
 # The finding filed for a spec vLLM's coordinator fails to construct (findings/<id>/)
 FILED = {"SinkFullAttentionSpec": "sink-manager-construction"}
