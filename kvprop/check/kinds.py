@@ -20,7 +20,7 @@ class Invariant:
 INVARIANTS = {
     i.number: i
     for i in (
-        Invariant(1, "reference counts equal the table entries (and queued block copies) holding each block"),
+        Invariant(1, "a block's reference count equals its table entries, queued copies and deferred frees"),
         Invariant(2, "the free queue holds exactly the unreferenced blocks, with consistent links and count"),
         Invariant(3, "a live block belongs to one group, once per table, shared only while cached"),
         Invariant(4, "the cache map and block keys agree both ways; the null block is never cached"),
