@@ -422,6 +422,16 @@ def test_a_run_budget_alone_runs_all_its_runs(tmp_path):
     assert actual == (0, 0, 20, {"runs": 20, "seconds": None}, "runs"), r.stderr
 
 
+def test_json_counts_the_runs_by_batches_in_flight_as_their_configurations_draw_them(tmp_path):
+    from collections import Counter
+
+    from kvprop.search.walk import start, walk_seed
+
+    drawn = Counter(str(start(walk_seed(1, i)).config.pipeline_depth) for i in range(60))
+    r = kvprop_fuzz(tmp_path, tmp_path / "cx", "--seed 1 --max-runs 60 --json")
+    assert json.loads(r.stdout)["pipeline_depths"] == dict(sorted(drawn.items())), r.stderr
+
+
 def test_a_time_budget_that_ends_before_the_run_budget_says_so(tmp_path):
     # no machine makes a million walks in a second: the clock ends this search, clean or untested
     r = kvprop_fuzz(tmp_path, tmp_path / "cx", "--seed 1 --max-runs 1000000 --seconds 1 --json")
