@@ -407,6 +407,18 @@ def eagle_seeds(count: int) -> list[int]:
     return seeds
 
 
+def synchronous_seeds(count: int) -> list[int]:
+    """The first walk seeds whose configuration has no batch in flight: the manager target draws
+    none (kvprop's scheduler in front of it keeps in-flight counts vLLM's manager reads from its
+    own scheduler's requests), so ``agree`` compares only these."""
+    seeds, seed = [], 0
+    while len(seeds) < count:
+        if plan(seed).config.pipeline_depth == 1:
+            seeds.append(seed)
+        seed += 1
+    return seeds
+
+
 @needs_fix  # before 0.24.0 vLLM takes a hit's external blocks group by group, in its own order
 def test_kvprop_and_vllm_agree_step_for_step():
     """The same walks on kvprop's allocator and on vLLM's leave the same tables, cache keys
@@ -414,7 +426,7 @@ def test_kvprop_and_vllm_agree_step_for_step():
     included; before 0.30.0 vLLM has no junction, so its walks run without retention and state
     groups; 0.30.0's hits inside a block follow other rules, so its walks end hits on blocks;
     from 0.30.0 kvprop runs as the release's known bugs: ``release_rules``)."""
-    result = agree("vllm", range(40), **release_rules(RELEASE))
+    result = agree("vllm", synchronous_seeds(40), **release_rules(RELEASE))
     assert (result.disagreement, result.walks) == (None, 40)
 
 

@@ -22,6 +22,7 @@ from kvprop.check.invariants import extra_keys
 from kvprop.errors import ConfigError, TargetCrash
 from kvprop.search.harness import Harness
 from kvprop.search.walk import plan
+from kvprop.targets import shapes_of
 
 
 @attrs.frozen
@@ -95,6 +96,13 @@ def agree_walk(
     than 0.33.0's (0.30.0) or that has none. ``incremental_report``: no request asks for the
     full KV cache report, which releases before 0.30.0 do not have."""
     trace = plan(seed, max_ops)
+    if trace.config.pipeline_depth > 1 and not shapes_of(target).builds("pipeline_depth"):
+        # kvprop's scheduler with batches in flight needs the in-flight counts the target's own
+        # scheduler keeps (vLLM's settled basis): a target that declares no such shape is not compared
+        raise ConfigError(
+            f"target {target!r} builds no batches in flight (its shapes leave out pipeline_depth); "
+            f"walk {seed} runs {trace.config.pipeline_depth}"
+        )
     if no_junction:
         trace = attrs.evolve(trace, config=_without_junction(trace.config))
     config = without_checkpoints(trace.config) if no_checkpoints else trace.config
