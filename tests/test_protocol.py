@@ -226,7 +226,7 @@ PROBES_LEFT = {
     "kvprop/targets/vllm/manager.py": (6, "the installed vLLM release's API, which differs between releases"),
     "kvprop/targets/vllm/offload.py": (8, "the installed vLLM release's API"),
     "kvprop/targets/vllm/releases.py": (4, "the installed vLLM release's API, which differs between releases"),
-    "kvprop/targets/vllm/scheduler.py": (4, "the installed vLLM release's API"),
+    "kvprop/targets/vllm/scheduler.py": (3, "the installed vLLM release's API"),
     "kvprop/targets/vllm/batches.py": (2, "the installed vLLM release's API"),
     "kvprop/targets/vllm/view.py": (5, "the installed vLLM release's API, which differs between releases"),
 }

@@ -170,18 +170,19 @@ class KVCacheManager:
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
     def free(self, request) -> None:
-        if not self.coordinator.is_admitted(request.request_id):
-            raise RequestError(f"free: request {request.request_id!r} holds no blocks (never admitted, or freed)")
+        self._holds_blocks("free", request)
         self.coordinator.free(request.request_id)
+
+    def _holds_blocks(self, call: str, request) -> None:
+        """A ``RequestError`` unless ``request`` holds blocks (a free of it is well formed)."""
+        if not self.coordinator.is_admitted(request.request_id):
+            raise RequestError(f"{call}: request {request.request_id!r} holds no blocks (never admitted, or freed)")
 
     def pop_blocks_for_free(self, request) -> list[int]:
         """The request's blocks, group after group in table order, taken from it but still
         referenced: a scheduler that defers the free while a batch in flight may write them
         returns them later with ``free_popped_blocks`` (vLLM's ``pop_blocks_for_free``)."""
-        if not self.coordinator.is_admitted(request.request_id):
-            raise RequestError(
-                f"pop_blocks_for_free: request {request.request_id!r} holds no blocks (never admitted, or freed)"
-            )
+        self._holds_blocks("pop_blocks_for_free", request)
         return [block.block_id for block in self.coordinator.pop_blocks_for_free(request.request_id)]
 
     def free_popped_blocks(self, block_ids: list[int]) -> None:

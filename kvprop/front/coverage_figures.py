@@ -66,7 +66,9 @@ class FileRow:
 
 
 @attrs.frozen
-class ClassRow:
+class DefinitionRow:
+    """A class's or a function's figures: the statements of the function bodies inside it."""
+
     file: str
     name: str  # qualified: Outer.Inner
     line: int
@@ -98,9 +100,9 @@ class Report:
     measured: str  # what was measured, in words
     root: str  # the common directory the file names are relative to
     files: tuple  # FileRow, with statements
-    classes: tuple  # ClassRow
+    classes: tuple  # DefinitionRow of each class
     never_entered: tuple  # Function
-    functions: tuple = ()  # ClassRow of each function: the statements of its body (--json only)
+    functions: tuple = ()  # DefinitionRow of each function: the statements of its body (--json only)
     empty_files: tuple = ()  # measured files without a single statement (a docstring alone)
     imported_before: tuple = ()  # measured modules imported before measuring began
     html: str | None = None
@@ -223,7 +225,7 @@ def analyse(path: str, name: str, data: Executed):
     for kind, qualname, node in _definitions(tree):
         if node.lineno in data.excluded:
             continue
-        row = ClassRow(name, qualname, node.lineno, data.figures_of(function_lines(node)))
+        row = DefinitionRow(name, qualname, node.lineno, data.figures_of(function_lines(node)))
         if kind == "class":
             classes.append(row)
             continue

@@ -372,10 +372,15 @@ def _pick(ids, index):
     return ids[index % len(ids)] if ids else None
 
 
-def _on_running(h: Harness, index: int, action, verb: str) -> str:
+def _on_running(h: Harness, index: int, action, verb: str, why_not) -> str:
+    """``action`` on the running request ``index`` picks, unless ``why_not`` (the engine's reason
+    it would not make the call now) says why not."""
     rid = _pick([r.request_id for r in h.engine.running], index)
     if rid is None:
         return "nothing running"
+    why = why_not(rid)
+    if why:
+        return f"not made: {why}"
     action(rid)
     return f"{verb} {rid}"
 
@@ -394,11 +399,7 @@ class Preempt:
     def apply(self, h: Harness) -> str:
         if not h.engine.preempts_on_request:
             return "not made: this target's scheduler preempts by its own policy"
-        rid = _pick([r.request_id for r in h.engine.running], self.index)
-        why = None if rid is None else h.engine.why_not_preempt(rid)
-        if why is not None:
-            return f"not made: {why}"
-        return _on_running(h, self.index, h.engine.preempt, "preempted")
+        return _on_running(h, self.index, h.engine.preempt, "preempted", h.engine.why_not_preempt)
 
 
 @attrs.frozen
@@ -432,11 +433,7 @@ class Finish:
         return bool(h.engine.running)
 
     def apply(self, h: Harness) -> str:
-        rid = _pick([r.request_id for r in h.engine.running], self.index)
-        why = h.engine.why_not_finish(rid) if rid is not None else None
-        if why:
-            return f"not made: {why}"
-        return _on_running(h, self.index, h.engine.finish, "finished")
+        return _on_running(h, self.index, h.engine.finish, "finished", h.engine.why_not_finish)
 
 
 @attrs.frozen

@@ -246,26 +246,19 @@ def _unsatisfiable(opts: FuzzOptions, machine) -> str:
 
 def _progress(out, machine, reported: dict) -> None:
     c = machine.counters
-    refused = Counter(c.get("refused", Counter()))
-    refused.subtract(reported.get("refused", Counter()))
-    depths = Counter(c.get("depths", Counter()))
-    depths.subtract(reported.get("depths", Counter()))
+    tallies = {name: Counter(c.get(name, Counter())) for name in ("refused", "depths")}
+    since = {name: tally - reported.get(name, Counter()) for name, tally in tallies.items()}
     out.put(
         (
             "progress",
             c["examples"] - reported["examples"],
             c["steps"] - reported["steps"],
             set(machine.events_seen),
-            +refused,
-            +depths,
+            since["refused"],
+            since["depths"],
         )
     )
-    reported.update(
-        examples=c["examples"],
-        steps=c["steps"],
-        refused=Counter(c.get("refused", Counter())),
-        depths=Counter(c.get("depths", Counter())),
-    )
+    reported.update(examples=c["examples"], steps=c["steps"], **tallies)
 
 
 def _worker(index, opts, out, stop, limit, parent, first, files):

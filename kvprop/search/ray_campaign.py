@@ -165,16 +165,12 @@ def node_name() -> str:
     return f"{ray.util.get_node_ip_address()}/{ray.get_runtime_context().get_node_id()[:8]}"
 
 
-def _mark_import_broken() -> None:
-    global _IMPORT_BROKEN
-    _IMPORT_BROKEN = True
-
-
 def run_batch(opts: fuzz.FuzzOptions, first: int, end: int):
     """A Ray generator task: runs [first, end) in one supervised worker, yielding
     ``("started", pid, node)``, then ``("find", index, trace dict, log tail)`` per find as it
     happens, then ``("done", counts)`` or ``("error", kind, message)``. A cancel (Ray raises
     ``KeyboardInterrupt`` here) ends the search, which stops its worker."""
+    global _IMPORT_BROKEN
     if _IMPORT_BROKEN:
         os._exit(1)  # this process cannot import kvprop's walk again: Ray starts a fresh worker
     try:
@@ -182,7 +178,7 @@ def run_batch(opts: fuzz.FuzzOptions, first: int, end: int):
     except BaseException:
         # a cancel arriving while torch loads leaves its half-made registrations in the process,
         # and every later import of torch here fails: the process serves no further task
-        _mark_import_broken()
+        _IMPORT_BROKEN = True
         raise
 
     interrupt.requested.clear()  # a worker process runs task after task
@@ -484,10 +480,19 @@ def campaign(
     if status is not None and not interrupted:
         status(d.status_line(budget))
     found = d.finds[d.best].trace if d.best is not None else None
-    seconds = time.monotonic() - start
     return CampaignResult(
-        *(found, d.runs, d.steps, seconds, frozenset(d.events), d.found_at, dict(d.refused), dict(d.known)),
-        *(dict(d.finds), interrupted, d.requeued, dict(d.nodes)),
+        found,
+        d.runs,
+        d.steps,
+        time.monotonic() - start,
+        frozenset(d.events),
+        d.found_at,
+        dict(d.refused),
+        dict(d.known),
+        dict(d.finds),
+        interrupted,
+        d.requeued,
+        dict(d.nodes),
         lost=dict(d.lost),
         depths=dict(d.depths),
     )

@@ -86,6 +86,7 @@ class SchedulerEngine(SchedulerBatches, OwnLoopCalls, OffloadWorker, Engine):
         # its caller's to reserve (docs/findings.md)
         self.copy_reserve = 0
         self.connector = None  # vLLM's own connector is in charge; kvprop plays its worker side
+        self.fence = None  # and vLLM's scheduler defers its own frees (SchedulerBatches.fenced_blocks)
         self._init_transfers()
         self.worker: dict[str, list[list[int]]] = {}  # request id -> the block ids the worker holds, per group
         self.report: StepReport | None = None
@@ -360,7 +361,7 @@ class SchedulerEngine(SchedulerBatches, OwnLoopCalls, OffloadWorker, Engine):
             for copy in self._copies(output):
                 # the worker copies before the forward pass (vLLM 0.30.0 on; hits inside a block)
                 self.memory.copy_block(copy.src_block_id, copy.dst_block_id)
-            meta = getattr(output, "kv_connector_metadata", None)
+            meta = self._connector_meta(output)
             due, self.stores_due = self.stores_due, []
             if meta is not None:
                 self._start_transfers(meta)
