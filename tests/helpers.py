@@ -5,8 +5,12 @@ They drive the allocator exactly as an engine does (hit search, allocate_slots, 
 """
 
 from __future__ import annotations
+import __future__
 
 import ast
+import inspect
+import sys
+import textwrap
 from collections import Counter
 from pathlib import Path
 
@@ -222,3 +226,18 @@ def imported_modules(source: str) -> set[str]:
     names = [a.name for n in nodes if isinstance(n, ast.Import) for a in n.names]
     names += [n.module for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom) and n.module]
     return {name.split(".")[0] for name in names}
+
+
+def mutate(monkeypatch, owner, name: str, line: str, mutant: str) -> None:
+    """A one-line mutant of an engine's own code: ``owner.name`` (a function of a module, or a
+    method of a class) recompiled from its source with ``line`` replaced by ``mutant``, in its
+    module's globals, for the test's duration. The line must occur exactly once."""
+    function = getattr(owner, name)
+    module = sys.modules[function.__module__]
+    source = textwrap.dedent(inspect.getsource(function))
+    assert source.count(line) == 1, f"{function.__qualname__}: {line!r} occurs {source.count(line)} times"
+    flags = __future__.annotations.compiler_flag
+    code = compile(source.replace(line, mutant), module.__file__, "exec", flags=flags, dont_inherit=True)
+    defined: dict = {}
+    exec(code, module.__dict__, defined)
+    monkeypatch.setattr(owner, name, defined[name])

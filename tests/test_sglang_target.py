@@ -19,6 +19,8 @@ import pytest
 
 sglang = __import__("sglang") if os.environ.get("KVPROP_REQUIRE_SGLANG") else pytest.importorskip("sglang")
 
+from helpers import mutate  # noqa: E402
+
 from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, SlidingWindow  # noqa: E402
 from kvprop.check import sglang as sglang_checks  # noqa: E402
 from kvprop.check.checker import Checker  # noqa: E402
@@ -132,6 +134,46 @@ def test_the_window_oracle_catches_a_window_slot_freed_under_a_live_request():
     with pytest.raises(Violation) as e:
         engine.step()
     assert e.value.kind == "sglang-kv-data"
+
+
+def test_the_window_oracle_reads_the_oldest_position_sglang_attends():
+    """SGLang's token attends the W positions before it (``window_positions``): freeing the
+    oldest of them under a live request is caught at its next decode."""
+    engine, checker = engine_for(config(window=4, budget=16))
+    engine.add_request(PROMPT, 20)
+    engine.step()  # the prefill, in one chunk; the next decode computes position 16
+    sched = engine.scheduler
+    row = sched.req_to_token_pool.req_to_token[engine.release.req_pool_idx(sched.request("r0"))]
+    sched.allocator.free_swa(sched.sg.torch.tensor([int(row[len(PROMPT) - 4])]))
+    with pytest.raises(Violation) as e:
+        engine.step()
+    assert (e.value.kind, "position 12 of the sliding-window layer" in str(e.value)) == ("sglang-kv-data", True)
+
+
+def _first_find(cfg: EngineConfig, seeds: range):
+    for seed in seeds:
+        failure, _ = _walk(cfg, seed)
+        if failure is not None:
+            return seed, failure.kind
+    return None
+
+
+@pytest.mark.skipif(version("sglang") != "0.5.23", reason="the mutated line is 0.5.23's")
+def test_a_mutant_matching_a_window_one_position_short_is_found_from_scratch(monkeypatch):
+    """SGLang's match validator accepts a prefix whose window holds one live position too few;
+    the walks find a request reading the oldest position of its window from a freed slot."""
+    from sglang.srt.mem_cache.unified_cache.components.swa import SWAComponent
+
+    line = 'return state["len"] >= sliding_window_size'
+    mutate(monkeypatch, SWAComponent, "create_match_validator", line, line + " - 1")
+    assert _first_find(config(1, window=4, num_blocks=48), range(12)) == (1, "sglang-kv-data")
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_window_walks_stay_clean(block_size):
+    """Seeded walks over SGLang's full + sliding-window cache, every check after every operation
+    and step: 8 walks of up to 150 operations per page size."""
+    assert _first_find(config(block_size, window=4, num_blocks=64 // block_size), range(8)) is None
 
 
 def _walk(cfg: EngineConfig, seed: int, max_ops: int = 150):

@@ -4,10 +4,12 @@ the request's own tokens computed there.
 kvprop's worker for SGLang (``kvprop.targets.sglang.engine``) writes, at each position a batch
 computes, a fingerprint of the tokens up to and including it into the KV slot SGLang's
 ``req_to_token`` row names (the full-attention layer's buffer, and the sliding-window layer's
-through SGLang's own full-to-SWA slot translation). A forward pass reads the request's computed
-prefix: every full-attention position, and in the sliding-window layer the positions inside the
-window of the first token it computes. A slot that was freed and reused, a prefix matched from a
-node whose slots were evicted, or a window slot freed too early reads back another fingerprint.
+through SGLang's own full-to-SWA slot translation), for the whole batch, and then each request
+reads its computed prefix, as a layer stores the batch's keys before its attention reads: every
+full-attention position, and in the sliding-window layer the W positions before the first token
+it computes (SGLang's window excludes the token itself: ``kvprop.targets.sglang.shape.
+window_positions``). A slot that was freed and reused, a prefix matched from a node whose slots
+were evicted, or a window slot freed too early reads back another fingerprint.
 A cached node's slots are judged at every full sweep, against the fingerprints of its path.
 """
 

@@ -31,7 +31,7 @@ from kvprop.sim.hooks import Hooks
 from kvprop.sim.request import Status, arrival, live
 from kvprop.sim.target_calls import OwnLoopCalls
 from kvprop.targets.sglang.scheduler import SglangScheduler
-from kvprop.targets.sglang.shape import sglang_config
+from kvprop.targets.sglang.shape import sglang_config, window_positions
 
 TOKEN_OFFSET = 3  # kvprop's token t is SGLang's t + 3: the tiny model's ids below 3 are special (EOS is 2)
 
@@ -131,9 +131,14 @@ class SglangEngine(OwnLoopCalls):
         self._hook(self._forward_pass, batch)
 
     def _forward_pass(self, batch) -> None:
-        """Each request reads its computed prefix, then writes the positions it computes."""
+        """The batch writes the positions it computes, then each request reads its computed
+        prefix. A layer stores the whole batch's new keys and values before its attention reads
+        (``set_kv_buffer`` ahead of the kernel in every backend's ``forward_extend`` and
+        ``forward_decode``), so a slot handed to one request while another still attends it is
+        read back overwritten, whichever comes first in the batch."""
         rel, rows = self.release, self.scheduler.req_to_token_pool.req_to_token
         extend = batch.forward_mode.is_extend()
+        passes = []
         for req in batch.reqs:
             tokens = [*req.origin_input_ids, *req.output_ids]
             if extend:
@@ -143,14 +148,14 @@ class SglangEngine(OwnLoopCalls):
                 start = end - 1
             expected = extend_fingerprints(self._fingerprints.setdefault(req.rid, []), tokens)
             slots = rows[rel.req_pool_idx(req), :end].tolist()
-            self.hooks.before_read(self, req.rid, "full-attention", range(start), slots[:start], expected)
-            window = self.sglang.sliding_window
-            if self._window is not None and window is not None:
-                first = max(0, start - window + 1)
-                self.hooks.before_read(
-                    self, req.rid, "sliding-window", range(first, start), slots[first:start], expected
-                )
             self._write(slots[start:end], expected[start:end])
+            passes.append((req.rid, start, slots, expected))
+        window = self.sglang.sliding_window
+        for rid, start, slots, expected in passes:
+            self.hooks.before_read(self, rid, "full-attention", range(start), slots[:start], expected)
+            if self._window is not None and window is not None:
+                attended = window_positions(start, window)
+                self.hooks.before_read(self, rid, "sliding-window", attended, slots[attended.start : start], expected)
 
     def _write(self, slots: list[int], values: list[int]) -> None:
         if not slots:

@@ -4,7 +4,9 @@ refusals of the result.
 
 The mapping (``docs/targets.md`` states it too): a block is a page (``page_size`` = block size);
 the pool holds ``num_blocks`` pages; a sliding-window group makes the model a full + SWA hybrid
-whose window is that group's (SGLang keeps one full pool however many full layers there are);
+whose window is that group's (SGLang keeps one full pool however many full layers there are),
+passed as SGLang's ``sliding_window_size`` unchanged, so SGLang attends one position more than
+kvprop's own window (``window_positions`` says which);
 the token budget is the chunk size, rounded up to a whole page (SGLang refuses a
 ``chunked_prefill_size`` that is not a multiple of ``page_size``, so a budget maps to the smallest
 chunk it can run with); the SWA pool is the full pool times SGLang's default
@@ -105,6 +107,20 @@ def sglang_config(config: EngineConfig) -> SglangConfig:
         max_running_requests=MAX_RUNNING_REQUESTS,
         max_context_len=MAX_CONTEXT_LEN,
     )
+
+
+def window_positions(position: int, window: int) -> range:
+    """The positions before ``position`` that the token there attends through SGLang's sliding
+    window of ``window`` (its ``sliding_window_size``): the ``window`` positions before it.
+
+    SGLang's window excludes the token itself, where kvprop's (vLLM's) includes it: FlashAttention
+    runs with ``window_size=(W, 0)``, both sides inclusive (0.5.23
+    ``layers/attention/flashattention_backend.py``; its models pass their configuration's window
+    less one, ``get_attention_sliding_window_size``), and the cache frees a running request's
+    window slots only below ``pre_len - W`` (``mem_cache/common.py``,
+    ``free_swa_out_of_window_slots``). A backend that reads fewer (Triton's decode reads
+    ``min(seq_len, W)`` positions with the token's own) reads a subset of these."""
+    return range(max(0, position - window), position)
 
 
 def check_startup(config: EngineConfig) -> None:
