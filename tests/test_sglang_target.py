@@ -212,6 +212,31 @@ def test_kvprop_fuzz_runs_walks_on_sglang_and_reports_them(tmp_path):
     ), out.stderr[-2000:]
 
 
+SGLANG_KINDS = (
+    "liveness,target-crash,target-hang,sglang-cached-kv-data,sglang-idle-leak,sglang-kv-data,sglang-lock-ref,"
+    "sglang-pool-conservation,sglang-running-totals,sglang-slot-held-twice"
+)
+
+
+def test_every_find_of_a_campaign_replays_in_a_fresh_process(tmp_path):
+    """A campaign runs each walk in a fork of one worker; every find it saves reproduces its
+    kind when a fresh process replays it (300 walks of a fixed seed, every SGLang kind known so
+    the campaign goes on past each find)."""
+    kvprop = [sys.executable, "-m", "kvprop"]
+    fuzz = ["fuzz", "--target", "sglang", "--max-runs", "300", "--workers", "1", "--seed", "11"]
+    out = subprocess.run(
+        [*kvprop, *fuzz, "--known", SGLANG_KINDS, "--out", str(tmp_path), "--json"],
+        capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    finds = sorted(tmp_path.glob("*.found.json"))
+    kinds = [json.loads(f.read_text())["failure"]["kind"] for f in finds]
+    replays = [
+        subprocess.run([*kvprop, "replay", str(f)], capture_output=True, text=True, timeout=600) for f in finds
+    ]
+    reproduced = [(r.returncode, f"REPRODUCED {kind} " in r.stdout) for r, kind in zip(replays, kinds)]
+    assert (out.returncode, len(finds) > 0, reproduced) == (0, True, [(1, True)] * len(finds)), out.stderr[-2000:]
+
+
 # SGLang's finds (docs/findings.md, "Findings in SGLang"): each trace, the kind it breaks and the
 # releases it affects, as kvprop bisect found them. On the installed release the replay
 # reproduces the kind where the release is affected and runs clean where it is not.
