@@ -230,9 +230,7 @@ def test_every_find_of_a_campaign_replays_in_a_fresh_process(tmp_path):
     )  # fmt: skip
     finds = sorted(tmp_path.glob("*.found.json"))
     kinds = [json.loads(f.read_text())["failure"]["kind"] for f in finds]
-    replays = [
-        subprocess.run([*kvprop, "replay", str(f)], capture_output=True, text=True, timeout=600) for f in finds
-    ]
+    replays = [subprocess.run([*kvprop, "replay", str(f)], capture_output=True, text=True, timeout=600) for f in finds]
     reproduced = [(r.returncode, f"REPRODUCED {kind} " in r.stdout) for r, kind in zip(replays, kinds)]
     assert (out.returncode, len(finds) > 0, reproduced) == (0, True, [(1, True)] * len(finds)), out.stderr[-2000:]
 
