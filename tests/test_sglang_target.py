@@ -212,6 +212,30 @@ def test_kvprop_fuzz_runs_walks_on_sglang_and_reports_them(tmp_path):
     ), out.stderr[-2000:]
 
 
+@pytest.mark.skipif(version("sglang") != "0.5.23", reason="the file list is 0.5.23's")
+def test_coverage_measures_the_tree_its_components_the_allocators_and_the_kv_path():
+    from kvprop.front.coverage import scope
+
+    measured = scope("sglang")
+    names = sorted(os.path.relpath(f, measured.root) for f in measured.files)
+    assert names == [
+        "allocation.py",
+        "allocator/base.py",
+        "allocator/paged.py",
+        "allocator/swa.py",
+        "allocator/token.py",
+        "base_prefix_cache.py",
+        "common.py",
+        "memory_pool.py",
+        "swa_memory_pool.py",
+        "unified_cache/components/base.py",
+        "unified_cache/components/full.py",
+        "unified_cache/components/swa.py",
+        "unified_cache/unified_tree_core.py",
+        "unified_radix_cache.py",
+    ]
+
+
 SGLANG_KINDS = (
     "liveness,target-crash,target-hang,sglang-cached-kv-data,sglang-idle-leak,sglang-kv-data,sglang-lock-ref,"
     "sglang-pool-conservation,sglang-running-totals,sglang-slot-held-twice"

@@ -97,6 +97,19 @@ def _vllm_scope(target: str = "vllm") -> Scope:
 SGLANG_TREE_FILES = ("unified_radix_cache.py", "unified_cache/unified_tree_core.py")
 SGLANG_LEGACY_TREE_FILE = "radix_cache.py"  # what full attention builds on 0.5.18
 SGLANG_ALLOCATOR_FILES = ("allocator/base.py", "allocator/token.py", "allocator/paged.py", "allocator/swa.py")
+# What the scheduler's KV path runs beside them, measured where the release has the file: the
+# unified tree's components (full attention and the window), the window's slot frees and the
+# batch's allocation (common.py, allocation.py), the cache protocol, and the pools.
+SGLANG_PATH_FILES = (
+    "unified_cache/components/base.py",
+    "unified_cache/components/full.py",
+    "unified_cache/components/swa.py",
+    "base_prefix_cache.py",
+    "common.py",
+    "allocation.py",
+    "memory_pool.py",
+    "swa_memory_pool.py",
+)
 
 
 def _sglang_scope() -> Scope:
@@ -118,7 +131,10 @@ def _sglang_scope() -> Scope:
     missing = [name for name, f in zip(names, files, strict=True) if not f.is_file()]
     if missing:
         raise ConfigError(f"target 'sglang': this SGLang ({mem_cache}) has no {missing}; kvprop measures {list(names)}")
-    measured = "SGLang's radix cache and allocators: sglang/srt/mem_cache/" + ", ".join(names)
+    beside = tuple(name for name in SGLANG_PATH_FILES if (mem_cache / name).is_file())
+    names += beside
+    files += [mem_cache / name for name in beside]
+    measured = "SGLang's radix cache, allocators, pools and KV path: sglang/srt/mem_cache/" + ", ".join(names)
     return _scope_of(files, [str(f.resolve()) for f in files], measured)
 
 
