@@ -348,7 +348,8 @@ REGISTRY = {
         Target(
             "sglang",
             "kvprop.targets.sglang.engine:build_engine",
-            "SGLang's own scheduler loop, radix cache and KV pools, in charge of every step",
+            "SGLang's own scheduler loop (normal, not overlap), radix cache (Python tree core: full-attention "
+            "and sliding-window components) and KV pools, in charge of every step",
             NONE,
             shapes="kvprop.targets.sglang.shape:release_shapes",
             own_scheduler=True,
