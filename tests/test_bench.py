@@ -32,3 +32,9 @@ def test_a_command_that_exits_otherwise_than_expected_is_not_timed(monkeypatch):
     monkeypatch.setattr(startup_bench, "COMMANDS", ((("--version",), 2),))
     with pytest.raises(RuntimeError, match=r"`kvprop --version` exited 0, not 2"):
         startup_bench.rows(quick=True, progress=lambda text: None)
+
+
+def test_a_quick_time_to_find_searches_each_variant_once_per_driver_within_its_caps():
+    seeds, cap = bench._find_caps(quick=True)
+    expected = len(bench.VARIANTS) * sum(cap[driver] for driver in bench.DRIVERS)
+    assert (len(seeds), bench.time_to_find_bound(quick=True)) == (1, expected)

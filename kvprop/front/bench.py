@@ -346,7 +346,18 @@ def _find_row(variant: str, driver: str, seeds, cap: float) -> dict:
 
 
 def _find_caps(quick: bool) -> tuple[range, dict]:
-    return (range(3) if quick else range(5)), {"walk": 20.0 if quick else 60.0, "hypothesis": 60.0 if quick else 180.0}
+    """The seeds and each driver's cap per search: a quick run searches once per variant and
+    driver, briefly, so that a variant neither driver finds costs seconds, not minutes."""
+    if quick:
+        return range(1), {"walk": 5.0, "hypothesis": 8.0}
+    return range(5), {"walk": 60.0, "hypothesis": 180.0}
+
+
+def time_to_find_bound(quick: bool) -> float:
+    """The longest the time-to-find part can search, in seconds: every search of every variant
+    by both drivers running to its cap (minimising what is found comes on top)."""
+    seeds, cap = _find_caps(quick)
+    return len(VARIANTS) * len(seeds) * sum(cap[driver] for driver in DRIVERS)
 
 
 def time_to_find(quick: bool) -> list[dict]:
@@ -481,6 +492,15 @@ def main(
     before = load_baseline(baseline) if baseline is not None else None
     if before is not None and "targets" not in parts:
         raise ConfigError("--baseline adds a column to the targets table: name the targets part too")
+    if "time_to_find" in parts or "targets" in parts:
+        seeds, cap = _find_caps(quick)
+        print(
+            f"kvprop bench: time to find searches each of {len(VARIANTS)} variants with each driver "
+            f"{len(seeds)} time(s), capped at {', '.join(f'{cap[d]:g} s ({d})' for d in DRIVERS)}: at most "
+            f"{time_to_find_bound(quick) / 60:.1f} minutes of searching for that part",
+            file=sys.stderr,
+            flush=True,
+        )
     result: dict = {}
     for part in parts:
         result[part] = targets(quick, result) if part == "targets" else funcs[part](quick)
