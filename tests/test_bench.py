@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvprop.front import bench, choices, startup_bench
+from kvprop.front import bench, choices, find_bench, startup_bench
 
 STARTUP_COLUMNS = ["command", "runs", "min_s", "median_s", "goal", "met"]
 
@@ -35,6 +35,6 @@ def test_a_command_that_exits_otherwise_than_expected_is_not_timed(monkeypatch):
 
 
 def test_a_quick_time_to_find_searches_each_variant_once_per_driver_within_its_caps():
-    seeds, cap = bench._find_caps(quick=True)
-    expected = len(bench.VARIANTS) * sum(cap[driver] for driver in bench.DRIVERS)
-    assert (len(seeds), bench.time_to_find_bound(quick=True)) == (1, expected)
+    seeds, cap = find_bench.find_caps(quick=True)
+    expected = len(find_bench.VARIANTS) * sum(cap[driver] for driver in find_bench.DRIVERS)
+    assert (len(seeds), find_bench.time_to_find_bound(quick=True)) == (1, expected)

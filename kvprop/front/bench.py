@@ -8,12 +8,8 @@ docs/benchmarks.md through ``make benchmarks``).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -25,11 +21,11 @@ from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_a
 from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention, Mamba, SlidingWindow
 from kvprop.check.checker import Checker
 from kvprop.errors import ConfigError
-from kvprop.front import bench_doc, startup_bench
+from kvprop.front import bench_doc, find_bench, startup_bench
 from kvprop.front.choices import DEFAULT_PARTS, PARTS  # noqa: F401 - PARTS still importable from here
-from kvprop.repro.minimise import minimise
+from kvprop.front.find_bench import find_caps, find_row, time_to_find_bound
 from kvprop.search import DRIVERS, fuzz, profiles
-from kvprop.search.machine import machine_for, trace_length
+from kvprop.search.machine import machine_for
 from kvprop.search.walk import run_walk
 from kvprop.targets import build_engine
 from kvprop.targets.variants import VARIANTS
@@ -302,67 +298,8 @@ def _checked_vs_unchecked(target: str, seconds: float, progress) -> list[dict]:
     return rows
 
 
-@contextlib.contextmanager
-def _fresh_directory():
-    old = os.getcwd()
-    with tempfile.TemporaryDirectory() as tmp:
-        os.chdir(tmp)
-        try:
-            yield
-        finally:
-            os.chdir(old)
-
-
-def _find_row(variant: str, driver: str, seeds, cap: float) -> dict:
-    """One variant found from scratch by one driver over ``seeds``, each search capped at ``cap`` s."""
-    secs: list[float] = []
-    steps: list[int] = []
-    shrunk: list[int] = []
-    for seed in seeds:
-        _progress(f"time to find: {variant}, {driver}, seed {seed}")
-        with _fresh_directory():  # an empty Hypothesis example database for every search
-            result = fuzz.search(
-                fuzz.FuzzOptions(seconds=cap, workers=1, seed=seed * 1000, driver=driver, variant=variant)
-            )
-        if result.found is None:
-            continue
-        best = minimise(result.found, variant=variant)
-        assert result.seconds_to_find is not None  # a search that found says when
-        secs.append(result.seconds_to_find)
-        steps.append(result.steps)
-        shrunk.append(trace_length(best))
-    return {
-        "variant": variant,
-        "driver": driver,
-        "seeds": len(seeds),
-        "found": len(secs),
-        "median_s": round(statistics.median(secs), 2) if secs else None,
-        "max_s": round(max(secs), 2) if secs else None,
-        "median_steps": int(statistics.median(steps)) if steps else None,
-        "max_steps": max(steps) if steps else None,
-        "median_minimised": statistics.median(shrunk) if shrunk else None,
-        "cap_s": cap,
-    }
-
-
-def _find_caps(quick: bool) -> tuple[range, dict]:
-    """The seeds and each driver's cap per search: a quick run searches once per variant and
-    driver, briefly, so that a variant neither driver finds costs seconds, not minutes."""
-    if quick:
-        return range(1), {"walk": 5.0, "hypothesis": 8.0}
-    return range(5), {"walk": 60.0, "hypothesis": 180.0}
-
-
-def time_to_find_bound(quick: bool) -> float:
-    """The longest the time-to-find part can search, in seconds: every search of every variant
-    by both drivers running to its cap (minimising what is found comes on top)."""
-    seeds, cap = _find_caps(quick)
-    return len(VARIANTS) * len(seeds) * sum(cap[driver] for driver in DRIVERS)
-
-
 def time_to_find(quick: bool) -> list[dict]:
-    seeds, cap = _find_caps(quick)
-    return [_find_row(variant, driver, seeds, cap[driver]) for variant in VARIANTS for driver in DRIVERS]
+    return find_bench.time_to_find(quick, _progress)
 
 
 CROSS_GROUP = "interleaved-external-alloc"  # the motivating bug: the targets table's time-to-find rows
@@ -392,8 +329,8 @@ def targets(quick: bool, result: dict) -> list[dict]:
     sc = result.get("scaling") or scaling(quick)
     found = [r for r in result.get("time_to_find", ()) if r["variant"] == CROSS_GROUP]
     if not found:
-        seeds, cap = _find_caps(quick)
-        found = [_find_row(CROSS_GROUP, driver, seeds, cap[driver]) for driver in DRIVERS]
+        seeds, cap = find_caps(quick)
+        found = [find_row(CROSS_GROUP, driver, seeds, cap[driver], _progress) for driver in DRIVERS]
     walk_on, walk_off = _rate(tp, "walk, all checks"), _rate(tp, "walk, checks off")
     machine, trivial = _rate(tp, "state machine, all checks"), _rate(tp, "Hypothesis, trivial rule")
     big = _cell(sc, 4096, 64)
@@ -493,7 +430,7 @@ def main(
     if before is not None and "targets" not in parts:
         raise ConfigError("--baseline adds a column to the targets table: name the targets part too")
     if "time_to_find" in parts or "targets" in parts:
-        seeds, cap = _find_caps(quick)
+        seeds, cap = find_caps(quick)
         print(
             f"kvprop bench: time to find searches each of {len(VARIANTS)} variants with each driver "
             f"{len(seeds)} time(s), capped at {', '.join(f'{cap[d]:g} s ({d})' for d in DRIVERS)}: at most "
