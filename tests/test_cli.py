@@ -181,6 +181,7 @@ def test_agree_with_a_target_that_wraps_kvprops_allocator_agrees():
     [
         ("nosuch:make", "target 'nosuch:make': cannot import 'nosuch'"),
         ("kvprop", "agree compares kvprop's allocator with another target"),
+        ("sglang", "target 'sglang' has no reference to agree with"),
         ("tests.example_target:nosuch", "has no attribute 'nosuch'"),
     ],
 )

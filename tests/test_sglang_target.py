@@ -7,6 +7,7 @@ behind the tree's back, a window slot freed through the allocator) and expect th
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -26,6 +27,7 @@ from kvprop.check import sglang as sglang_checks  # noqa: E402
 from kvprop.check.checker import Checker  # noqa: E402
 from kvprop.errors import Violation  # noqa: E402
 from kvprop.search import trace as tr  # noqa: E402
+from kvprop.search.agree import agree  # noqa: E402
 from kvprop.search.execute import execute, run  # noqa: E402
 from kvprop.search.harness import Harness  # noqa: E402
 from kvprop.search.walk import operations, start  # noqa: E402
@@ -234,6 +236,42 @@ def test_coverage_measures_the_tree_its_components_the_allocators_and_the_kv_pat
         "unified_cache/unified_tree_core.py",
         "unified_radix_cache.py",
     ]
+
+
+RUST_CORE = importlib.util.find_spec("sglang.srt.mem_cache.rust_tree_core")
+needs_rust_core = pytest.mark.skipif(RUST_CORE is None, reason="this SGLang has only the Python tree core")
+
+
+@needs_rust_core
+def test_the_rust_tree_core_agrees_with_the_python_core_step_for_step():
+    """``kvprop agree --target sglang-rust``: the same walks on both cores, checks off, compared
+    after every operation (rows, cached slots, pool totals) and by what each step did."""
+    result = agree("sglang-rust", range(30))
+    assert (result.walks > 0, result.disagreement) == (True, None)
+
+
+@needs_rust_core
+@pytest.mark.skipif(version("sglang") != "0.5.23", reason="the mutated line is 0.5.23's")
+def test_the_core_differential_finds_a_python_core_mutant_from_scratch(monkeypatch):
+    """The window match validator one position short, in the Python core alone: the cores
+    schedule a request's prefill differently."""
+    from sglang.srt.mem_cache.unified_cache.components.swa import SWAComponent
+
+    line = 'return state["len"] >= sliding_window_size'
+    mutate(monkeypatch, SWAComponent, "create_match_validator", line, line + " - 1")
+    found = agree("sglang-rust", range(12)).disagreement
+    assert (found.seed, found.what) == (8, "outcome")
+
+
+@needs_rust_core
+def test_kvprop_fuzz_walks_the_rust_tree_core(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "kvprop", "fuzz", "--target", "sglang-rust", "--max-runs", "4", "--workers", "1",
+         "--seed", "3", "--out", str(tmp_path), "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    summary = json.loads(out.stdout)
+    assert (out.returncode, summary["target"], summary["verdict"], summary["runs"]) == (0, "sglang-rust", "clean", 4)
 
 
 SGLANG_KINDS = (

@@ -118,5 +118,8 @@ def test_a_list_of_made_up_kinds_is_quoted_short(tmp_path):
 
 def test_emit_test_refuses_a_target_that_is_not_a_target_name(tmp_path):
     r = kvprop("emit-test", str(TRACE), "--target", "not a name", "--out", str(tmp_path / "t.py"), cwd=tmp_path)
-    says = "target must be 'kvprop', 'vllm', 'vllm-scheduler', 'sglang' or 'package.module:factory', got 'not a name'"
+    says = (
+        "target must be 'kvprop', 'vllm', 'vllm-scheduler', 'sglang', 'sglang-rust' or 'package.module:factory', "
+        "got 'not a name'"
+    )
     assert (r.returncode, says in r.stderr, (tmp_path / "t.py").exists()) == (2, True, False), r.stderr

@@ -57,7 +57,7 @@ def _agree_flags(args) -> str:
 
 
 def cmd_agree(args) -> int:
-    from kvprop.search.agree import agree
+    from kvprop.search.agree import agree, reference_of
     from kvprop.search.supervisor import Died
 
     if args.target == "kvprop":
@@ -66,7 +66,16 @@ def cmd_agree(args) -> int:
     _check_out(args)
     check_allocator(args.reference_variant, None)  # an unknown name is refused before anything runs
     check_allocator(None, args.target)
-    say(args, f"kvprop {__version__} agree: kvprop vs {args.target}, walks {args.seed}..{args.seed + args.walks - 1}")
+    reference = reference_of(args.target) or "kvprop"
+    if reference != "kvprop" and args.reference_variant is not None:
+        raise ConfigError(
+            f"--reference-variant names a variant of kvprop's allocator; target {args.target!r} agrees with "
+            f"{reference!r}"
+        )
+    say(
+        args,
+        f"kvprop {__version__} agree: {reference} vs {args.target}, walks {args.seed}..{args.seed + args.walks - 1}",
+    )
     if rules is not None:
         say(args, rules)
     seeds = range(args.seed, args.seed + args.walks)
@@ -100,7 +109,7 @@ def cmd_agree(args) -> int:
         reproduce = f"kvprop agree --target {args.target} --seed {d.seed} --walks 1 {_agree_flags(args)}"
         print(
             f"DISAGREE at walk seed {d.seed}, operation {d.step} ({d.operation}), {d.what}:\n"
-            f"  kvprop:  {d.reference}\n  {args.target}: {d.target}\n"
+            f"  {reference}:  {d.reference}\n  {args.target}: {d.target}\n"
             f"reproduce: {reproduce.rstrip()}"
         )
     return EXIT_CLEAN if d is None else EXIT_FOUND

@@ -172,7 +172,7 @@ def scope(target: str | None) -> Scope:
         return _scope_of(_py_files(directory), [str(directory / "*")], "kvprop's own allocator: kvprop/allocator/")
     if target in ("vllm", "vllm-scheduler"):
         return _vllm_scope(target)
-    if target == "sglang":
+    if target in ("sglang", "sglang-rust"):  # the Python code around either tree core
         return _sglang_scope()
     if not isinstance(target, str):
         raise ConfigError(f"target must be {NAMES}, got {target!r}")

@@ -15,6 +15,8 @@ release with ``no_junction``, where walks run with retention off and no state gr
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from kvprop.allocator.specs import FullAttention, Mamba, without_checkpoints
@@ -46,8 +48,12 @@ class Agreement:
 
 def snapshot(harness: Harness, capabilities) -> dict:
     """What is compared after each operation: the parts ``capabilities`` (the target's
-    declaration) lets both sides report."""
+    declaration) lets both sides report; for two SGLang engines, SGLang's own state
+    (``SglangEngine.differential_state``)."""
     engine = harness.engine
+    if engine.terms == "sglang":
+        judged_in_its_terms: Any = engine  # an SglangEngine (kvprop.targets.sglang.engine)
+        return judged_in_its_terms.differential_state()
     parts = {
         "tables": {rid: engine.target_calls.get_block_ids(rid) for rid in engine.requests},
         "cache keys": engine.view.cache_keys(),
@@ -95,7 +101,8 @@ def agree_walk(
     groups save no prefill checkpoints, for a release whose checkpoints follow other rules
     than 0.33.0's (0.30.0) or that has none. ``incremental_report``: no request asks for the
     full KV cache report, which releases before 0.30.0 do not have."""
-    trace = plan(seed, max_ops)
+    reference_target = reference_of(target)
+    trace = plan(seed, max_ops, reference_target)
     if trace.config.pipeline_depth > 1 and not shapes_of(target).builds("pipeline_depth"):
         # kvprop's scheduler with batches in flight needs the in-flight counts the target's own
         # scheduler keeps (vLLM's settled basis): a target that declares no such shape is not compared
@@ -112,7 +119,7 @@ def agree_walk(
         config, allocator=attrs.evolve(config.allocator, hash_unit=hash_unit, kv_cache_report_mode=report)
     )
     trace = attrs.evolve(trace, config=config)
-    reference = Harness(trace.config, variant=reference_variant, checks=False)
+    reference = Harness(trace.config, variant=reference_variant, target=reference_target, checks=False)
     if journal is not None:  # in a supervised worker: the target's side of the walk, as it runs
         journal.begin(attrs.evolve(trace, steps=(), variant=None, target=target), seed)
     other = Harness(trace.config, target=target, checks=False, journal=journal)
@@ -131,6 +138,20 @@ def agree_walk(
 
 
 CRASHED = "crashed: "
+
+
+def reference_of(target: str) -> str | None:
+    """The target ``target`` is compared with: kvprop's allocator (None), or the one its
+    declaration names; a ConfigError for a target no reference states the terms of."""
+    from kvprop.targets.protocol import resolve
+
+    declared = resolve(target).agrees_with
+    if declared == "":
+        raise ConfigError(
+            f"target {target!r} has no reference to agree with: its state is not kvprop's blocks "
+            f"(for SGLang, compare its tree cores: --target sglang-rust)"
+        )
+    return declared
 
 
 def _outcome(harness: Harness, op) -> str:

@@ -62,11 +62,12 @@ def operations(begun: WalkStart, harness: Harness, taken: list[Operation]) -> It
 
 
 @functools.lru_cache(maxsize=4096)
-def plan(seed: int, max_ops: int = 200) -> Trace:
-    """The trace walk ``seed`` runs on kvprop's own allocator (drawn without checks): a fixed
-    trace, which tests and the agreement check replay on other allocators."""
-    begun = start(seed, max_ops)
-    harness = Harness(begun.config, checks=False)
+def plan(seed: int, max_ops: int = 200, on: str | None = None) -> Trace:
+    """The trace walk ``seed`` runs on kvprop's own allocator, or on target ``on`` with the
+    shapes it builds (drawn without checks): a fixed trace, which tests and the agreement check
+    replay on other allocators. A ConfigError where ``on`` refuses the drawn configuration."""
+    begun = start(seed, max_ops) if on is None else start(seed, max_ops, shapes=shapes_of(on))
+    harness = Harness(begun.config, checks=False, target=on)
     taken: list[Operation] = []
     run(harness, operations(begun, harness, taken), drain=False)
     # guarded, whatever the setting of the process that first asked (the plan is cached)

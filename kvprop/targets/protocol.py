@@ -304,6 +304,9 @@ class Target:
     package: str | None = None  # the distribution whose release it drives (its version is reported)
     # the engine events (kvprop.sim.events) its engine can reach, which a search reports; None: every one
     events: tuple[str, ...] | None = None
+    # what ``kvprop agree`` walks beside it: kvprop's own allocator (None), another target that
+    # must make the same decisions, or nothing ("") where no reference states its terms
+    agrees_with: str | None = None
 
 
 # vLLM's targets declare every call of the contract but a group's tables at once and an O(1)
@@ -356,12 +359,26 @@ REGISTRY = {
             startup="kvprop.targets.sglang.shape:check_startup",
             package="sglang",
             events=(EV_EVICT, EV_PREEMPT, EV_REHIT),  # no loads, no drafts, no window skipping here
+            agrees_with="",  # SGLang's pages and tree are not kvprop's blocks: no reference compares them
+        ),
+        Target(
+            "sglang-rust",
+            "kvprop.targets.sglang.engine:build_rust_core_engine",
+            "SGLang's own scheduler loop over its Rust tree core (its default core from 0.5.19): judged by "
+            "pool conservation, the data oracle and the idle check, and by `kvprop agree` against the Python core",
+            NONE,
+            shapes="kvprop.targets.sglang.shape:rust_core_shapes",
+            own_scheduler=True,
+            startup="kvprop.targets.sglang.shape:check_startup",
+            package="sglang",
+            events=(EV_EVICT, EV_PREEMPT, EV_REHIT),
+            agrees_with="sglang",  # the Python core: SGLang's cores are meant to decide alike
         ),
     )
 }
 # The targets that drive vLLM's own code: the registry's, by the package they drive.
 VLLM_TARGETS = tuple(name for name, t in REGISTRY.items() if t.package == "vllm")
-NAMES = "'kvprop', 'vllm', 'vllm-scheduler', 'sglang' or 'package.module:factory'"
+NAMES = "'kvprop', 'vllm', 'vllm-scheduler', 'sglang', 'sglang-rust' or 'package.module:factory'"
 
 
 def is_builtin(name: str | None) -> bool:

@@ -36,16 +36,23 @@ from kvprop.targets.sglang.shape import sglang_config, window_positions
 TOKEN_OFFSET = 3  # kvprop's token t is SGLang's t + 3: the tiny model's ids below 3 are special (EOS is 2)
 
 
-def build_engine(config: EngineConfig, device=None, hooks=None, canary: bool = False):
+def build_engine(config: EngineConfig, device=None, hooks=None, canary: bool = False, tree_core: str = "python"):
     """The target's entry point: it builds the whole engine (``own_scheduler``). SGLang's pools
     live where its CPU build puts them; ``device`` other than the CPU is refused."""
     from kvprop.errors import ConfigError
 
+    name = "sglang" if tree_core == "python" else f"sglang-{tree_core}"
     if device not in (None, "cpu"):
-        raise ConfigError(f"target 'sglang' runs SGLang's CPU build: device must be 'cpu', got {device!r}")
+        raise ConfigError(f"target {name!r} runs SGLang's CPU build: device must be 'cpu', got {device!r}")
     if canary:
-        raise ConfigError("target 'sglang': the canary fault is kvprop's engine's; it does not apply here")
-    return SglangEngine(config, hooks=hooks)
+        raise ConfigError(f"target {name!r}: the canary fault is kvprop's engine's; it does not apply here")
+    return SglangEngine(config, hooks=hooks, tree_core=tree_core)
+
+
+def build_rust_core_engine(config: EngineConfig, device=None, hooks=None, canary: bool = False):
+    """``--target sglang-rust``: the same loop over SGLang's Rust tree core, the default core of
+    the releases that ship one (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND``, 0.5.19 on)."""
+    return build_engine(config, device, hooks, canary, tree_core="rust")
 
 
 @attrs.define
@@ -86,10 +93,10 @@ class SglangEngine(OwnLoopCalls):
     connector = None
     capabilities = NONE
 
-    def __init__(self, config: EngineConfig, hooks: Hooks | None = None):
+    def __init__(self, config: EngineConfig, hooks: Hooks | None = None, tree_core: str = "python"):
         self.config = config
         self.hooks = hooks or Hooks()
-        self.sglang = sglang_config(config)
+        self.sglang = attrs.evolve(sglang_config(config), tree_core=tree_core)
         self.scheduler = SglangScheduler(self.sglang, forward=self._forward)
         self.release = self.scheduler.release
         self.view = SglangView(self, config.allocator.num_blocks, config.allocator.block_size)
@@ -176,6 +183,32 @@ class SglangEngine(OwnLoopCalls):
             return self._full[slots].tolist()
         assert self._window is not None
         return self._window[self.window_slots(slots)].tolist()
+
+    def differential_state(self) -> dict:
+        """What two tree cores fed the same walk must agree on (``kvprop agree --target
+        sglang-rust``; SGLang means its cores to agree, and tests them against one interface): the
+        slots each live request's row holds, what the tree caches, and each pool's free, evictable
+        and protected totals. Read through the calls both cores serve."""
+        sched, rel = self.scheduler, self.release
+        tree, alloc = sched.tree_cache, sched.allocator
+        rows = sched.req_to_token_pool.req_to_token
+        held = {
+            req.rid: rows[rel.req_pool_idx(req), : req.kv.kv_allocated_len].tolist()
+            for req in sched.live_requests()
+            if rel.holds_kv(req)
+        }
+        parts = {
+            "rows": held,
+            "cached slots": sorted(tree.all_values_flatten().tolist()),
+            "free slots": alloc.available_size(),
+            "evictable": tree.evictable_size(),
+            "protected": tree.protected_size(),
+        }
+        if self.sglang.swa:
+            parts["window free slots"] = alloc.swa_available_size()
+            parts["window evictable"] = tree.swa_evictable_size()
+            parts["window protected"] = tree.swa_protected_size()
+        return parts
 
     # ---- operations ------------------------------------------------------------------------
     def add_request(self, prompt, max_new_tokens: int) -> SglangRecord:

@@ -54,6 +54,21 @@ def release_shapes() -> Shapes:
     return SHAPES
 
 
+def rust_core_shapes() -> Shapes:
+    """What ``--target sglang-rust`` builds: ``--target sglang``'s shapes, on a release that ships
+    the Rust tree core (0.5.19 on); an older release is refused before anything runs."""
+    from kvprop.targets.sglang.loading import import_sglang
+    from kvprop.targets.sglang.release import Release
+
+    sg = import_sglang()
+    if Release.of(sg).tree_core_selector == "none":
+        raise ConfigError(
+            f"target 'sglang-rust': SGLang {sg.version} has only the Python tree core (the Rust core ships from "
+            f"0.5.19); use --target sglang"
+        )
+    return SHAPES
+
+
 def refusal(config: EngineConfig) -> str | None:
     """Why kvprop's configuration has no SGLang counterpart, or None."""
     alloc = config.allocator
