@@ -34,6 +34,8 @@ from kvprop.search.walk import operations, start  # noqa: E402
 from kvprop.targets import build_engine, shapes_of  # noqa: E402
 
 pytestmark = pytest.mark.sglang
+RUST_CORE = importlib.util.find_spec("sglang.srt.mem_cache.rust_tree_core")
+needs_rust_core = pytest.mark.skipif(RUST_CORE is None, reason="this SGLang has only the Python tree core")
 
 
 def config(block_size: int = 1, window: int | None = None, num_blocks: int = 48, budget: int = 8) -> EngineConfig:
@@ -197,21 +199,18 @@ def test_full_attention_walks_stay_clean(block_size):
     assert failures == []
 
 
-def test_kvprop_fuzz_runs_walks_on_sglang_and_reports_them(tmp_path):
-    """Four walks of a fixed seed through the command line: steps ran, and they were clean."""
+@pytest.mark.parametrize("target", ["sglang", pytest.param("sglang-rust", marks=needs_rust_core)])
+def test_kvprop_fuzz_runs_walks_on_sglang_and_reports_them(tmp_path, target):
+    """Four walks of a fixed seed through the command line, on either tree core: steps ran, and
+    they were clean."""
     out = subprocess.run(
-        [sys.executable, "-m", "kvprop", "fuzz", "--target", "sglang", "--max-runs", "4", "--workers", "1",
+        [sys.executable, "-m", "kvprop", "fuzz", "--target", target, "--max-runs", "4", "--workers", "1",
          "--seed", "3", "--out", str(tmp_path), "--json"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     summary = json.loads(out.stdout)
-    assert (out.returncode, summary["target"], summary["verdict"], summary["runs"], summary["steps"] > 0) == (
-        0,
-        "sglang",
-        "clean",
-        4,
-        True,
-    ), out.stderr[-2000:]
+    ran = (out.returncode, summary["target"], summary["verdict"], summary["runs"], summary["steps"] > 0)
+    assert ran == (0, target, "clean", 4, True), out.stderr[-2000:]
 
 
 @pytest.mark.skipif(version("sglang") != "0.5.23", reason="the file list is 0.5.23's")
@@ -238,10 +237,6 @@ def test_coverage_measures_the_tree_its_components_the_allocators_and_the_kv_pat
     ]
 
 
-RUST_CORE = importlib.util.find_spec("sglang.srt.mem_cache.rust_tree_core")
-needs_rust_core = pytest.mark.skipif(RUST_CORE is None, reason="this SGLang has only the Python tree core")
-
-
 @needs_rust_core
 def test_the_rust_tree_core_agrees_with_the_python_core_step_for_step():
     """``kvprop agree --target sglang-rust``: the same walks on both cores, checks off, compared
@@ -261,17 +256,6 @@ def test_the_core_differential_finds_a_python_core_mutant_from_scratch(monkeypat
     mutate(monkeypatch, SWAComponent, "create_match_validator", line, line + " - 1")
     found = agree("sglang-rust", range(12)).disagreement
     assert (found.seed, found.what) == (8, "outcome")
-
-
-@needs_rust_core
-def test_kvprop_fuzz_walks_the_rust_tree_core(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "kvprop", "fuzz", "--target", "sglang-rust", "--max-runs", "4", "--workers", "1",
-         "--seed", "3", "--out", str(tmp_path), "--json"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    summary = json.loads(out.stdout)
-    assert (out.returncode, summary["target"], summary["verdict"], summary["runs"]) == (0, "sglang-rust", "clean", 4)
 
 
 SGLANG_KINDS = (
