@@ -11,6 +11,11 @@ Malformed calls (``Misuse``) are left out: each target has its own caller contra
 models the current vLLM (0.30.0 on). A release before it has no shared-prefix junction, so
 retention thins it differently and a state group's chunks stop elsewhere: compare such a
 release with ``no_junction``, where walks run with retention off and no state group.
+
+A target may declare another reference (``Target.agrees_with``): SGLang's Rust tree core is
+walked beside its Python core, on operations drawn with SGLang's shapes, and compared in SGLang's
+terms (``SglangEngine.differential_state``); there a disagreement is one core deciding otherwise
+than the other, which SGLang means never to happen.
 """
 
 from __future__ import annotations
