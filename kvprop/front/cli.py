@@ -296,9 +296,11 @@ def build_parser() -> argparse.ArgumentParser:
     ag = command(
         "agree",
         "kvprop.front.agree_command:cmd_agree",
-        "walk kvprop's allocator and a target side by side (exit 1: they disagree)",
+        "walk a target beside its reference, kvprop's allocator or SGLang's Python core (exit 1: they disagree)",
     )
-    ag.add_argument("--target", required=True, help="'vllm' or package.module:factory")
+    ag.add_argument(
+        "--target", required=True, help="'vllm', 'vllm-scheduler', package.module:factory, or 'sglang-rust'"
+    )
     ag.add_argument("--walks", type=positive_int, default=100, help="walks to compare")
     ag.add_argument("--seed", type=seed, default=0, help="the first walk's seed; walks take consecutive seeds")
     ag.add_argument("--max-ops", type=operations, default=200, help="operations per walk")
