@@ -81,35 +81,28 @@ def _private_full(sched, req) -> int:
     return -(-req.kv.kv_allocated_len // page) * page - sched.release.cache_protected_len(req)
 
 
+def pool_totals(sched) -> dict[str, tuple[int, int, int]]:
+    """Each pool's available, evictable and protected tokens (the full pool, and the window's
+    beside it), read through the calls both of SGLang's tree cores serve."""
+    tree, alloc = sched.tree_cache, sched.allocator
+    if not sched.config.swa:
+        return {"full": (alloc.available_size(), tree.evictable_size(), tree.protected_size())}
+    return {
+        "full": (alloc.full_available_size(), tree.full_evictable_size(), tree.full_protected_size()),
+        "swa": (alloc.swa_available_size(), tree.swa_evictable_size(), tree.swa_protected_size()),
+    }
+
+
 def check_conservation(sched) -> None:
     """available + evictable + protected + held by live requests == pool size, per pool."""
-    tree, alloc, rel, config = sched.tree_cache, sched.allocator, sched.release, sched.config
+    tree, rel, config = sched.tree_cache, sched.release, sched.config
     live = sched.live_requests()
-    held = sum(_private_full(sched, req) for req in live)
+    held = {"full": sum(_private_full(sched, req) for req in live)}
+    sizes = {"full": config.pool_tokens, "swa": config.swa_pool_tokens}
     if config.swa:
-        pools = [
-            (
-                "full",
-                alloc.full_available_size(),
-                tree.full_evictable_size(),
-                tree.full_protected_size(),
-                held,
-                config.pool_tokens,
-            ),
-            (
-                "swa",
-                alloc.swa_available_size(),
-                tree.swa_evictable_size(),
-                tree.swa_protected_size(),
-                rel.swa_transient(tree) + sum(rel.swa_private_tokens(r, tree, config.page_size) for r in live),
-                config.swa_pool_tokens,
-            ),
-        ]
-    else:
-        pools = [
-            ("full", alloc.available_size(), tree.evictable_size(), tree.protected_size(), held, config.pool_tokens)
-        ]
-    for name, available, evictable, protected, uncached, total in pools:
+        held["swa"] = rel.swa_transient(tree) + sum(rel.swa_private_tokens(r, tree, config.page_size) for r in live)
+    for name, (available, evictable, protected) in pool_totals(sched).items():
+        uncached, total = held[name], sizes[name]
         if available + evictable + protected + uncached != total:
             raise Violation(
                 "sglang-pool-conservation",

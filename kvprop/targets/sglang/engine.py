@@ -23,6 +23,7 @@ import attrs
 
 from kvprop.allocator.specs import EngineConfig
 from kvprop.capabilities import NONE
+from kvprop.check.sglang import pool_totals
 from kvprop.check.sglang_data import extend_fingerprints
 from kvprop.errors import RequestError
 from kvprop.sim.engine import StepReport
@@ -187,28 +188,17 @@ class SglangEngine(OwnLoopCalls):
     def differential_state(self) -> dict:
         """What two tree cores fed the same walk must agree on (``kvprop agree --target
         sglang-rust``; SGLang means its cores to agree, and tests them against one interface): the
-        slots each live request's row holds, what the tree caches, and each pool's free, evictable
-        and protected totals. Read through the calls both cores serve."""
+        slots each live request's row holds, what the tree caches, and each pool's available,
+        evictable and protected totals (``pool_totals``, which conservation judges too)."""
         sched, rel = self.scheduler, self.release
-        tree, alloc = sched.tree_cache, sched.allocator
         rows = sched.req_to_token_pool.req_to_token
         held = {
             req.rid: rows[rel.req_pool_idx(req), : req.kv.kv_allocated_len].tolist()
             for req in sched.live_requests()
             if rel.holds_kv(req)
         }
-        parts = {
-            "rows": held,
-            "cached slots": sorted(tree.all_values_flatten().tolist()),
-            "free slots": alloc.available_size(),
-            "evictable": tree.evictable_size(),
-            "protected": tree.protected_size(),
-        }
-        if self.sglang.swa:
-            parts["window free slots"] = alloc.swa_available_size()
-            parts["window evictable"] = tree.swa_evictable_size()
-            parts["window protected"] = tree.swa_protected_size()
-        return parts
+        cached = sorted(sched.tree_cache.all_values_flatten().tolist())
+        return {"rows": held, "cached slots": cached, "pools": pool_totals(sched)}
 
     # ---- operations ------------------------------------------------------------------------
     def add_request(self, prompt, max_new_tokens: int) -> SglangRecord:
