@@ -18,7 +18,7 @@ import attrs
 
 from kvprop import interrupt
 from kvprop.allocator.options import smaller
-from kvprop.allocator.specs import OPTIONS, ChunkedLocal, FullAttention
+from kvprop.allocator.specs import OPTIONS, FullAttention
 from kvprop.errors import ConfigError, TargetError
 from kvprop.search.alphabet import PROMPT_PRODUCERS, AddLargeRequest, AddRequest
 from kvprop.search.execute import execute
@@ -260,7 +260,7 @@ def _smaller_blocks(config):
         return
     (size,) = sizes
     for less in smaller(size, 1):
-        if any(isinstance(g, ChunkedLocal) and g.chunk % less for g in a.groups):
+        if any(getattr(g, "chunk", None) and g.chunk % less for g in a.groups):
             continue
         groups = tuple(attrs.evolve(g, block_size=less) for g in a.groups)
         yield _with_allocator(config, groups=groups, num_blocks=-(-a.num_blocks * size // less))
