@@ -2,11 +2,7 @@
 
 Delta debugging over the operations, then simpler arguments, then a simpler
 configuration, keeping a candidate only while it still fails with the same kind of
-violation, until no single removal or simplification fails any more. A simpler
-configuration has fewer groups (the pool kept whole, or shrunk to the others' share),
-full attention in place of a window or chunk, smaller blocks with the pool holding the
-same tokens, and each option's own simpler values: the same bug, found at several block
-sizes and group counts, shrinks towards one shape.
+violation, until no single removal or simplification fails any more.
 """
 
 from __future__ import annotations
@@ -224,11 +220,6 @@ def _simpler_configs(config):
     candidates += [tuple(FullAttention(g.block_size) if g.kind != "full" else g for g in groups)]
     for new_groups in candidates:
         yield _with_allocator(config, groups=new_groups)
-    if len(groups) > 1:  # one group fewer, and the pool shrunk with it: the other groups keep their share
-        share = a.num_blocks * (len(groups) - 1) // len(groups)
-        for i in range(len(groups)):
-            yield _with_allocator(config, groups=groups[:i] + groups[i + 1 :], num_blocks=max(1, share))
-    yield from _smaller_blocks(config)
     checkpoints = {g.checkpoint for g in groups if g.kind == "mamba"} - {None}
     if checkpoints:  # no prefill checkpoints, then the finest kernel grid
         for simpler in (None, 1) if checkpoints != {1} else (None,):
@@ -249,21 +240,6 @@ def _simpler_configs(config):
                     continue
                 new = groups[:g] + (attrs.evolve(spec, **{field: less}),) + groups[g + 1 :]
                 yield _with_allocator(config, groups=new)
-
-
-def _smaller_blocks(config):
-    """Every group's blocks smaller, the pool grown to hold the same tokens: a find at block size
-    1 or 2 reads in tokens, and the same bug found at several sizes shrinks to one trace."""
-    a = config.allocator
-    sizes = {g.block_size for g in a.groups}
-    if len(sizes) != 1:
-        return
-    (size,) = sizes
-    for less in smaller(size, 1):
-        if any(getattr(g, "chunk", None) and g.chunk % less for g in a.groups):
-            continue
-        groups = tuple(attrs.evolve(g, block_size=less) for g in a.groups)
-        yield _with_allocator(config, groups=groups, num_blocks=-(-a.num_blocks * size // less))
 
 
 def minimiser_for(
