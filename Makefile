@@ -94,7 +94,7 @@ test-vllm:
 		bash scripts/vllm-env.sh $$v $(VLLM_ENVS)$$v; \
 		echo "== vLLM $$v"; \
 		VLLM_LOGGING_LEVEL=ERROR PYTHONWARNINGS=ignore KVPROP_PROFILE=$(PROFILE) KVPROP_REQUIRE_VLLM=1 \
-			$(VLLM_ENVS)$$v/bin/python -m pytest -m vllm tests/test_vllm_target.py tests/test_vllm_scheduler.py tests/test_vllm_pipeline.py tests/test_vllm_router.py tests/test_vllm_findings.py tests/test_vllm_specs.py; \
+			$(VLLM_ENVS)$$v/bin/python -m pytest -m vllm tests/test_vllm_target.py tests/test_vllm_scheduler.py tests/test_vllm_pipeline.py tests/test_vllm_router.py tests/test_vllm_findings.py tests/test_vllm_specs.py tests/test_vllm_tier.py; \
 	done
 
 # SGLang's own scheduler and KV cache as a target: a separate CPU-only environment per

@@ -413,6 +413,7 @@ class AllocatorConfig:
 
 CONNECTOR_MODES = ("off", "sync", "async")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
+TIER_POLICIES = ("lru", "arc")  # vLLM's CPU tier's eviction_policy values (kv_offload/cpu/policies/factory.py)
 MAX_PIPELINE_DEPTH = 3  # vLLM's async scheduler with two pipeline stages schedules three batches ahead
 MAX_SPECULATIVE_TOKENS = 4  # MTP and EAGLE deployments propose 1 to 4 drafts
 
@@ -434,6 +435,11 @@ def _check_load_failure_policy(instance, attribute, value):
             f"EngineConfig.load_failure_policy {value!r} needs connector 'async', got {instance.connector!r}: "
             f"only an asynchronous load can fail here"
         )
+
+
+def _check_tier_policy(instance, attribute, value):
+    if value not in TIER_POLICIES:
+        raise ConfigError(f"EngineConfig.tier_policy must be one of {list(TIER_POLICIES)}, got {value!r}")
 
 
 def _check_allocator(value):
@@ -513,7 +519,28 @@ class EngineConfig:
         types=(int,),
         absent=1,
         simpler=(1, 2),
-        draw=None,  # drawn last, by the sampler (kvprop.search.alphabet.pipeline_depth)
+        draw=None,  # drawn last, by the sampler (kvprop.search.late_draws.pipeline_depth)
+    )
+    tier_blocks: int | None = option(
+        None,
+        validator=attrs.validators.optional(_int_at_least(1)),
+        doc="blocks the external tier holds, one per block hash and group (vLLM's CPU tier: cpu_bytes_to_use "
+        "over one block's bytes, its num_chunks); null: kvprop's tier unbounded, vLLM's twice the GPU pool. A save "
+        "that finds no room evicts idle blocks by tier_policy, or is dropped whole where too few are idle",
+        types=(int, type(None)),
+        absent=None,
+        simpler=(None,),
+        draw=None,  # drawn after the pipeline depth, by the sampler (kvprop.search.late_draws.offload_tier)
+    )
+    tier_policy: str = option(
+        "lru",
+        validator=_check_tier_policy,
+        doc="which idle block the external tier evicts for a save (vLLM's eviction_policy): 'lru' the least "
+        "recently used, 'arc' by adaptive replacement (kvprop.sim.tier_policy)",
+        types=(str,),
+        absent="lru",
+        simpler=("lru",),
+        draw=None,  # drawn with tier_blocks
     )
 
     @property
@@ -548,6 +575,11 @@ class EngineConfig:
                 )
         if self.pipeline_depth > 1 and (why := pipeline_problem(self)) is not None:
             raise ConfigError(f"EngineConfig.pipeline_depth must be 1 {why}, got {self.pipeline_depth}")
+        if self.connector == "off" and (self.tier_blocks, self.tier_policy) != (None, "lru"):
+            raise ConfigError(
+                f"EngineConfig.tier_blocks must be null and tier_policy 'lru' with connector 'off' (there is no "
+                f"external tier), got {self.tier_blocks!r} and {self.tier_policy!r}"
+            )
         if self.connector != "off" and self.allocator.partial_hits:
             raise ConfigError(
                 f"EngineConfig.connector must be 'off' with hash_unit below the block size, got {self.connector!r}: "

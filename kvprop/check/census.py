@@ -154,6 +154,11 @@ CENSUS: dict[str, dict[str, Judgement]] = {
         "saving": Derived("the keys of the saves in flight, from saves: what an offload skips as being saved"),
         "unread": Derived("the blocks the unflushed saves read, from saves: a wrong one shows as write-during-save"),
         "num_saves": Derived("a counter giving each save its job id; the operations pick saves by their order"),
+        "policy": Derived(
+            "the order a full tier evicts idle keys in: the policy's choice, which no oracle judges; the keys it "
+            "may not take (saved or read now) come from saves and pending"
+        ),
+        "capacity": CONFIG,
         "mode": CONFIG,
         "memory": PART,
         "block_size": CONFIG,

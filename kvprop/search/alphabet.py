@@ -27,9 +27,9 @@ from kvprop.allocator.specs import (
     SlidingWindow,
     eagle_problem,
     page_layout_problem,
-    pipeline_problem,
 )
 from kvprop.capabilities import ANY_SHAPE, Shapes
+from kvprop.search.late_draws import late_draws
 from kvprop.search.tokens import fresh_tokens
 
 if TYPE_CHECKING:
@@ -166,17 +166,7 @@ def sample_config(choose, shapes: Shapes = ANY_SHAPE) -> EngineConfig:
         floor = 1 + speculative if shapes.drafts_within_budget else 1
         # never below max_num_seqs: vLLM's SchedulerConfig refuses such a budget at start-up
         config = attrs.evolve(config, token_budget=max(few_blocks, floor, config.max_num_seqs or 1))
-    return pipeline_depth(side, config, shapes)
-
-
-def pipeline_depth(side, config: EngineConfig, shapes: Shapes) -> EngineConfig:
-    """Batches in flight in half the shapes that can have them, 2 and 3 alike (vLLM's asynchronous
-    scheduler, and that with two pipeline stages); drawn last, so that every value drawn before
-    keeps its seed. The order is one whose draws under the CI profile of the state machine reach
-    both depths (tests/test_machine.py)."""
-    if not shapes.builds("pipeline_depth") or pipeline_problem(config) is not None:
-        return config
-    return attrs.evolve(config, pipeline_depth=side.pick((1, 1, 3, 2)))
+    return late_draws(side, config, shapes)
 
 
 def _eagle_shape(groups, retention) -> bool:

@@ -16,6 +16,12 @@ the worker waits for before the forward pass, ``handle_preemptions``), so the sa
 contents it was made for. A key already held or being saved is not saved again
 (``prepare_store`` skips the keys its manager holds).
 
+The tier holds ``EngineConfig.tier_blocks`` blocks (None: any number), one per (block hash, group) key, as vLLM's
+CPU tier holds ``num_chunks`` (``cpu/manager.py``): a save of keys it lacks takes their room when
+it starts, evicting idle keys (none being saved or read by a load in flight, none of the save's
+own) by the configured policy (``kvprop.sim.tier_policy``), and is dropped whole when too few are
+idle (``prepare_store`` returns None); a failed save gives its room back.
+
 A state group's row is the state after its block's last token (slot 0 of the block). A hit
 through the tier then ends on a block boundary whose state the tier holds, and a load writes
 one block of the group, the one at the hit's end (vLLM's offloading connector: the total is
@@ -31,6 +37,7 @@ import attrs
 
 from kvprop.allocator.hashing import ROOT_HASH, chain_hashes, fingerprint, prefix_hash, state_fingerprint
 from kvprop.sim.memory import PagedMemory
+from kvprop.sim.tier_policy import POLICIES
 
 
 @attrs.define
@@ -40,6 +47,7 @@ class PendingLoad:
     values: list
     block_ids: list  # (group, block id) pairs the load writes
     num_local: int = 0  # tokens its request had computed before the load
+    keys: frozenset = frozenset()  # (block hash, group) keys it reads: the tier keeps them while it runs
 
 
 @attrs.define
@@ -53,9 +61,20 @@ class PendingSave:
 
 
 class Connector:
-    def __init__(self, mode: str, memory: PagedMemory, block_size: int, num_groups: int, state_groups=frozenset()):
+    def __init__(
+        self,
+        mode: str,
+        memory: PagedMemory,
+        block_size: int,
+        num_groups: int,
+        state_groups=frozenset(),
+        capacity: int | None = None,
+        policy: str = "lru",
+    ):
         if mode not in ("sync", "async"):
             raise ValueError(f"Connector mode must be 'sync' or 'async', got {mode!r}")
+        self.capacity = capacity  # blocks, one per (block hash, group) key; None: unbounded
+        self.policy = POLICIES[policy](capacity or 0)
         self.mode = mode
         self.memory = memory
         self.block_size = block_size
@@ -71,20 +90,23 @@ class Connector:
 
     def offload(self, entries: list[tuple[int, int, int]]) -> None:
         """Copy computed, cached blocks out: entries are (block hash, group, block id). With
-        connector "async", a save job of the entries whose key is neither held nor being saved."""
+        connector "async", a save job; either way only of the keys neither held nor being saved, and
+        only where the tier has or makes room for them all."""
         if not entries:
-            return
-        if self.mode == "sync":
-            rows = self.memory.rows([e[2] for e in entries])
-            for (block_hash, group, _), row in zip(entries, rows):
-                self.tier.setdefault(block_hash, {})[group] = tuple(row)
             return
         fresh: dict[tuple[int, int], tuple[int, int, int]] = {}
         for entry in entries:
             key = (entry[0], entry[1])
             if key not in self.saving and entry[1] not in self.tier.get(entry[0], {}):
                 fresh.setdefault(key, entry)
-        if not fresh:
+        if not fresh or not self._make_room(len(fresh), {(e[0], e[1]) for e in entries}):
+            return
+        for key in fresh:
+            self.policy.insert(key)
+        if self.mode == "sync":
+            rows = self.memory.rows([e[2] for e in fresh.values()])
+            for (block_hash, group, _), row in zip(fresh.values(), rows):
+                self.tier.setdefault(block_hash, {})[group] = tuple(row)
             return
         job = PendingSave(self.num_saves, list(fresh.values()))
         self.num_saves += 1
@@ -122,6 +144,35 @@ class Connector:
             assert job.rows is not None  # a finished save has read its blocks
             for (block_hash, group, _), row in zip(job.entries, job.rows):
                 self.tier.setdefault(block_hash, {})[group] = row
+            return
+        for block_hash, group, _ in job.entries:
+            self.policy.remove((block_hash, group))  # its room is free again
+
+    def _held(self) -> int:
+        """Blocks the tier holds or has given to a save in flight."""
+        return sum(len(rows) for rows in self.tier.values()) + len(self.saving)
+
+    def _make_room(self, n: int, protected: set) -> bool:
+        """Room for ``n`` more blocks, evicting idle ones (neither saved nor loaded now, nor among
+        ``protected``, the keys of the call) by the policy; False, evicting none, where too few
+        are idle (vLLM's ``prepare_store`` returns None and stores nothing)."""
+        if self.capacity is None:
+            return True
+        short = self._held() + n - self.capacity
+        if short <= 0:
+            return True
+        reading = {key for load in self.pending.values() for key in load.keys}
+        victims = self.policy.evict(
+            short, lambda key: key not in protected and key not in reading and key not in self.saving
+        )
+        if victims is None:
+            return False
+        for block_hash, group in victims:
+            rows = self.tier.get(block_hash, {})
+            rows.pop(group, None)
+            if not rows:
+                self.tier.pop(block_hash, None)
+        return True
 
     def publish_prefix(self, tokens: list[int]) -> int:
         """A remote prefill node computed ``tokens``: make their full blocks loadable. Returns blocks added."""
@@ -131,15 +182,23 @@ class Connector:
         for token in tokens[: len(hashes) * bs]:
             running = prefix_hash(running, token)
             prefix.append(running)
+        added = 0
         for i, block_hash in enumerate(hashes):
             end = (i + 1) * bs
+            keys = {(block_hash, g) for g in range(self.num_groups)}
+            new = {key for key in keys if key[1] not in self.tier.get(block_hash, {})}
+            if not self._make_room(len(new), keys):
+                break  # a full tier keeps the prefix published so far
+            for key in sorted(new):
+                self.policy.insert(key)
+            added += 1
             self.tier[block_hash] = {
                 g: (state_fingerprint(g, end, prefix[end - 1]),)
                 if g in self.state_groups
                 else tuple(fingerprint(g, p, prefix[p]) for p in range(i * bs, end))
                 for g in range(self.num_groups)
             }
-        return len(hashes)
+        return added
 
     def num_new_matched_tokens(self, request, num_local_computed: int) -> int:
         """Tokens beyond the local hit this tier can supply; never the last prompt token. An
@@ -161,7 +220,7 @@ class Connector:
     def start_load(self, request, null_block_id: int, tables, num_local: int, num_external: int) -> None:
         """Take the blocks allocated for external tokens (the checker has seen them at the hand-off)."""
         bs = self.block_size
-        slots, values, owned = [], [], []
+        slots, values, owned, keys = [], [], [], set()
         end = -(-(num_local + num_external) // bs)
         for g, table in enumerate(tables):
             for index in range(end - 1 if g in self.state_groups else num_local // bs, end):
@@ -169,6 +228,7 @@ class Connector:
                 if block_id == null_block_id:
                     continue
                 owned.append((g, block_id))
+                keys.add((request.block_hashes[index], g))
                 row = self.tier[request.block_hashes[index]][g]
                 if g in self.state_groups:
                     slots.append(block_id * bs)
@@ -179,7 +239,9 @@ class Connector:
                     if num_local <= position < num_local + num_external:
                         slots.append(block_id * bs + offset)
                         values.append(row[offset])
-        load = PendingLoad(request.request_id, slots, values, owned, num_local)
+        for key in sorted(keys):
+            self.policy.touch(key)
+        load = PendingLoad(request.request_id, slots, values, owned, num_local, frozenset(keys))
         if self.mode == "sync":
             self.memory.write(slots, values)
         else:

@@ -60,7 +60,13 @@ class Engine(Pipeline, Scheduler, Worker, BuggyCaller):
             None
             if config.connector == "off"
             else self.connector_class(
-                config.connector, self.memory, self.block_size, len(self.specs), self.state_groups
+                config.connector,
+                self.memory,
+                self.block_size,
+                len(self.specs),
+                self.state_groups,
+                config.tier_blocks,
+                config.tier_policy,
             )
         )
         self._init_scheduler()

@@ -342,7 +342,8 @@ def build_scheduler(config: EngineConfig, recipe: Recipe | None = None):
         tensors = []
         if config.connector != "off":
             # vLLM's native CPU offloading, scheduler side; the worker side is kvprop's. The
-            # CPU tier is sized from the GPU tensors' bytes per block: twice the GPU pool.
+            # CPU tier holds tier_blocks blocks of the GPU tensors' bytes (its num_chunks), by
+            # default twice the GPU pool.
             page = [spec.page_size_bytes for spec in vllm_specs(alloc, v)]
             tensors = [_tensor(v, f"layer{g}", bytes_, alloc.num_blocks, recipe) for g, bytes_ in enumerate(page)]
             extra["kv_transfer_config"] = _build(
@@ -352,7 +353,10 @@ def build_scheduler(config: EngineConfig, recipe: Recipe | None = None):
                 "KVTransferConfig",
                 kv_connector="OffloadingConnector",
                 kv_role="kv_both",
-                kv_connector_extra_config={"cpu_bytes_to_use": 2 * alloc.num_blocks * _cpu_block_bytes(sum(page))},
+                kv_connector_extra_config={
+                    "cpu_bytes_to_use": (config.tier_blocks or 2 * alloc.num_blocks) * _cpu_block_bytes(sum(page)),
+                    "eviction_policy": config.tier_policy,
+                },
                 kv_load_failure_policy=config.load_failure_policy,
             )
         if config.pipeline_depth > 2:  # its pipeline stages are set once it is validated (_pipeline)

@@ -1,0 +1,84 @@
+"""vLLM's CPU tier at the size and eviction policy drawn (``EngineConfig.tier_blocks``,
+``tier_policy``) behind ``--target vllm-scheduler``; skipped where vLLM is absent."""
+
+from __future__ import annotations
+
+import os
+
+import attrs
+import pytest
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+# make test-vllm (and so CI) sets KVPROP_REQUIRE_VLLM: there a missing vLLM fails, never skips
+vllm = __import__("vllm") if os.environ.get("KVPROP_REQUIRE_VLLM") else pytest.importorskip("vllm")
+
+from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention  # noqa: E402
+from kvprop.errors import ConfigError  # noqa: E402
+from kvprop.search.harness import Harness  # noqa: E402
+from kvprop.search.walk import operations, run, start  # noqa: E402
+from kvprop.targets import shapes_of  # noqa: E402
+from kvprop.targets.vllm.config import build_scheduler  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+CONFIG = EngineConfig(AllocatorConfig((FullAttention(4),), 16), token_budget=16, connector="async", tier_blocks=4)
+
+
+@pytest.mark.parametrize(("policy", "cls"), [("lru", "LRUCachePolicy"), ("arc", "ARCCachePolicy")])
+def test_vllms_cpu_tier_holds_the_blocks_and_evicts_by_the_policy_drawn(policy, cls):
+    manager = build_scheduler(attrs.evolve(CONFIG, tier_policy=policy)).connector.connector_scheduler.manager
+    blocks = manager._num_chunks if hasattr(manager, "_num_chunks") else manager._num_blocks  # up to 0.24.x
+    assert (blocks, type(manager._policy).__name__) == (4, cls)
+
+
+def bounded_tier_walks(count: int):
+    """The first ``count`` walks whose drawn configuration this release runs with a bounded tier."""
+    seed, found = 0, []
+    while len(found) < count:
+        begun = start(seed, 150, shapes=shapes_of("vllm-scheduler"))
+        if begun.config.tier_blocks is not None and _builds(begun.config):
+            found.append(seed)
+        seed += 1
+    return found
+
+
+def _builds(config: EngineConfig) -> bool:
+    """Whether this release starts with ``config`` (some refuse a shape the sampler draws)."""
+    try:
+        build_scheduler(config)
+    except ConfigError:
+        return False
+    return True
+
+
+def _walk(seed: int):
+    begun = start(seed, 150, shapes=shapes_of("vllm-scheduler"))
+    harness = Harness(begun.config, target="vllm-scheduler")
+    return run(harness, operations(begun, harness, []), drain=True)
+
+
+def _evictions(monkeypatch) -> list:
+    """Counts the CPU tier's evictions, calling each policy's own ``evict``."""
+    from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
+    from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
+
+    made: list = []
+    for cls in (LRUCachePolicy, ARCCachePolicy):
+
+        def counted(self, n, protected, _evict=cls.evict):
+            out = _evict(self, n, protected)
+            made.extend(out or ())
+            return out
+
+        monkeypatch.setattr(cls, "evict", counted)
+    return made
+
+
+def test_walks_through_a_bounded_tier_evict_and_end_only_in_triaged_kinds(monkeypatch):
+    """Eight walks with a tier of a quarter to all of the GPU pool, both policies: the tier
+    evicts, and every walk that fails ends in a kind walks without a bound end in (triaged)."""
+    from test_vllm_scheduler import known_kinds
+
+    made = _evictions(monkeypatch)
+    kinds = {failure.kind for seed in bounded_tier_walks(8) if (failure := _walk(seed)) is not None}
+    assert (kinds <= known_kinds(), len(made) > 0) == (True, True), kinds
