@@ -32,12 +32,17 @@ def test_vllms_cpu_tier_holds_the_blocks_and_evicts_by_the_policy_drawn(policy, 
 
 
 def bounded_tier_walks(count: int):
-    """The first ``count`` walks whose drawn configuration this release runs with a bounded tier."""
+    """The first ``count`` synchronous walks with a connector this release runs, each with a tier
+    of a quarter of the GPU pool and the two policies in turn."""
     seed, found = 0, []
     while len(found) < count:
-        begun = start(seed, 150, shapes=shapes_of("vllm-scheduler"))
-        if begun.config.tier_blocks is not None and _builds(begun.config):
-            found.append(seed)
+        config = start(seed, 150, shapes=shapes_of("vllm-scheduler")).config
+        if config.connector != "off" and config.pipeline_depth == 1:
+            bounded = attrs.evolve(
+                config, tier_blocks=max(1, config.allocator.num_blocks // 4), tier_policy=("lru", "arc")[len(found) % 2]
+            )
+            if _builds(bounded):
+                found.append((seed, bounded))
         seed += 1
     return found
 
@@ -51,9 +56,9 @@ def _builds(config: EngineConfig) -> bool:
     return True
 
 
-def _walk(seed: int):
-    begun = start(seed, 150, shapes=shapes_of("vllm-scheduler"))
-    harness = Harness(begun.config, target="vllm-scheduler")
+def _walk(seed: int, config: EngineConfig):
+    begun = attrs.evolve(start(seed, 150, shapes=shapes_of("vllm-scheduler")), config=config)
+    harness = Harness(config, target="vllm-scheduler")
     return run(harness, operations(begun, harness, []), drain=True)
 
 
@@ -75,10 +80,9 @@ def _evictions(monkeypatch) -> list:
 
 
 def test_walks_through_a_bounded_tier_evict_and_end_only_in_triaged_kinds(monkeypatch):
-    """Eight walks with a tier of a quarter to all of the GPU pool, both policies: the tier
-    evicts, and every walk that fails ends in a kind walks without a bound end in (triaged)."""
+    """Eight walks with a tier of a quarter of the GPU pool, both policies: the tier evicts, and every walk that fails ends in a kind walks without a bound end in (triaged)."""
     from test_vllm_scheduler import known_kinds
 
     made = _evictions(monkeypatch)
-    kinds = {failure.kind for seed in bounded_tier_walks(8) if (failure := _walk(seed)) is not None}
+    kinds = {failure.kind for seed, config in bounded_tier_walks(8) if (failure := _walk(seed, config)) is not None}
     assert (kinds <= known_kinds(), len(made) > 0) == (True, True), kinds
