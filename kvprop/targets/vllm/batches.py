@@ -43,6 +43,7 @@ class SchedulerBatches:
     # the worker side of vLLM's offloading connector (kvprop.targets.vllm.offload)
     stores_due: list
     _start_transfers: Callable[[Any], None]
+    _before_pass: Callable[[Any], None]
     _after_pass: Callable[[Any, list], None]
     _connector_output: Callable[[], Any]
 
@@ -89,8 +90,9 @@ class SchedulerBatches:
     def complete_batch(self, batch: Batch) -> StepReport:
         report = self.report = StepReport(copies=batch.report.copies)
         try:
-            self._run_pass(batch)
             meta = self._connector_meta(batch.output)
+            self._before_pass(meta)
+            self._run_pass(batch)
             due, self.stores_due = self.stores_due, []
             self._after_pass(meta, due)
             ids, sampled = [], []

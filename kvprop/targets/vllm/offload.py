@@ -94,6 +94,7 @@ class OffloadWorker:
         self.offloaded: dict[int, list[int]] = {}  # CPU block id -> the GPU block's slots stored there
         self.transfers: dict[int, Transfer] = {}  # job id -> a transfer in flight
         self.stores_due: list[int] = []  # store jobs that complete after the next forward pass
+        self.stored_early: set[int] = set()  # store jobs a flush in their own step ran before the pass
         self.done: dict = self._nothing_done()  # for the next output
 
     # ---- the tier's KV cache events -------------------------------------------------------
@@ -147,20 +148,41 @@ class OffloadWorker:
         return {"jobs": set(), "recving": set(), "failed": set(), "failed_jobs": set()}
 
     def _start_transfers(self, meta) -> None:
-        """Before the pass: flush the stores a reused block still owes, take the new loads (run at
-        once with connector "sync")."""
-        for job_id in getattr(meta, "jobs_to_flush", None) or ():
-            self._complete(job_id)  # before this pass overwrites the blocks it reads
+        """As the batch is launched: flush the stores a reused block still owes, take the new
+        loads (run at once with connector "sync"). A flush may name a store not yet issued to
+        the worker, which it flushes before this batch's pass (``_before_pass``)."""
+        self._flush(meta)
         for job_id, job in meta.load_jobs.items():
             self.transfers[job_id] = transfer_from(job_id, job, load=True)
             if self.config.connector == "sync":
                 self.finish_load(job.req_id, ok=True)
+
+    def _before_pass(self, meta) -> None:
+        """Just before the batch's pass, where vLLM's worker flushes (``handle_preemptions``, in
+        batch order): the stores its flush names that batches launched earlier issued since."""
+        if meta is not None:
+            self._flush(meta)
+
+    def _flush(self, meta) -> None:
+        """Run every store ``meta``'s flush names that the worker holds, before a pass overwrites
+        its blocks. A flush may name a store of this same step: from 0.30.0 the worker submits it
+        at once (``handle_preemptions`` pops it from ``store_jobs``; vLLM's scheduler flushes every
+        job on its last step, PR #42611); before, it waits only for the stores already submitted."""
+        for job_id in getattr(meta, "jobs_to_flush", None) or ():
+            if job_id in meta.store_jobs and job_id not in self.stored_early and self.stores_flushed_in_their_step:
+                self.transfers[job_id] = transfer_from(job_id, meta.store_jobs[job_id], load=False)
+                self.stored_early.add(job_id)
+            if job_id in self.transfers and not self.transfers[job_id].load:
+                self._complete(job_id)
 
     def _after_pass(self, meta, due: list[int]) -> None:
         """After the pass: the stores issued a step ago read their blocks; this step's wait."""
         for job_id in due:
             self._complete(job_id)
         for job_id, job in meta.store_jobs.items() if meta is not None else ():
+            if job_id in self.stored_early:
+                self.stored_early.discard(job_id)
+                continue
             self.transfers[job_id] = transfer_from(job_id, job, load=False)
             self.stores_due.append(job_id)
 
@@ -221,6 +243,16 @@ class OffloadWorker:
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 
         return "failed_jobs" in inspect.signature(OffloadingWorkerMetadata).parameters
+
+    @functools.cached_property
+    def stores_flushed_in_their_step(self) -> bool:
+        """Whether the release's worker runs a store that a flush of its own step names before the
+        pass (0.30.0 on: ``OffloadingConnectorWorker.handle_preemptions`` moves it from
+        ``store_jobs`` to the stores it submits and waits for); before, only submitted stores are
+        waited for, and such a store reads its blocks after the pass, as it does here then."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
+
+        return "store_jobs.pop" in inspect.getsource(OffloadingConnectorWorker.handle_preemptions)
 
     @functools.cached_property
     def fails_loads(self) -> bool:

@@ -38,10 +38,9 @@ def release_shapes() -> Shapes:
 # The self-drawn options (kvprop.allocator.options) both vLLM targets build: max_num_seqs is kvprop's
 # scheduler's in front of the manager, and SchedulerConfig.max_num_seqs for vLLM's own scheduler.
 MAPPED_OPTIONS = frozenset({"max_num_seqs"})
-# The CPU tier's size and eviction policy (tier_blocks, tier_policy: cpu_bytes_to_use, eviction_policy,
-# which every release kvprop builds takes, v1/kv_offload/cpu/spec.py) are not drawn yet: with batches in
-# flight a bounded tier ends walks in a data-mismatch not triaged (docs/design.md, "A bounded tier"); a
-# trace or configuration sets them.
+# The CPU tier of vLLM's offloading connector behind its scheduler: its size and eviction policy
+# (cpu_bytes_to_use, eviction_policy; every release kvprop builds takes both, v1/kv_offload/cpu/spec.py).
+TIER_OPTIONS = frozenset({"tier_blocks", "tier_policy"})
 
 
 def scheduler_shapes() -> Shapes:
@@ -60,7 +59,9 @@ def scheduler_shapes() -> Shapes:
         local_with_connector=_builds(_LOCAL_WITH_CONNECTOR),
         page_layouts=frozenset({"plain"}),
         # batches in flight through its asynchronous scheduler, where the release has one
-        options=MAPPED_OPTIONS | ({"pipeline_depth"} if import_scheduler().AsyncScheduler is not None else set()),
+        options=MAPPED_OPTIONS
+        | TIER_OPTIONS
+        | ({"pipeline_depth"} if import_scheduler().AsyncScheduler is not None else set()),
     )
 
 
