@@ -37,7 +37,7 @@ import attrs
 
 from kvprop.allocator.hashing import ROOT_HASH, chain_hashes, fingerprint, prefix_hash, state_fingerprint
 from kvprop.sim.memory import PagedMemory
-from kvprop.sim.tier_policy import POLICIES
+from kvprop.sim.tier_policy import tier_policy
 
 
 @attrs.define
@@ -74,7 +74,7 @@ class Connector:
         if mode not in ("sync", "async"):
             raise ValueError(f"Connector mode must be 'sync' or 'async', got {mode!r}")
         self.capacity = capacity  # blocks, one per (block hash, group) key; None: unbounded
-        self.policy = POLICIES[policy](capacity or 0)
+        self.policy = tier_policy(policy, capacity)
         self.mode = mode
         self.memory = memory
         self.block_size = block_size

@@ -37,8 +37,6 @@ class TierPolicy(Protocol):
         """``n`` keys for which ``idle`` holds, removed from the policy; None (nothing changed)
         when fewer are idle."""
 
-    def clear(self) -> None: ...
-
 
 class LeastRecentlyUsed:
     def __init__(self, capacity: int):
@@ -62,9 +60,6 @@ class LeastRecentlyUsed:
         for key in victims:
             del self.order[key]
         return victims
-
-    def clear(self) -> None:
-        self.order.clear()
 
 
 class AdaptiveReplacement:
@@ -124,10 +119,27 @@ class AdaptiveReplacement:
                 ghost.popitem(last=False)
         return [key for key, _ in chosen]
 
-    def clear(self) -> None:
-        for part in (self.t1, self.t2, self.b1, self.b2):
-            part.clear()
-        self.target = 0.0
+
+class NoEviction:
+    """An unbounded tier's policy: it never evicts, so it keeps no order of its keys (nothing to
+    record on the saves and loads of the common, unbounded case)."""
+
+    def insert(self, key) -> None:
+        return None
+
+    def touch(self, key) -> None:
+        return None
+
+    def remove(self, key) -> None:
+        return None
+
+    def evict(self, n: int, idle) -> list | None:
+        return None
 
 
 POLICIES: dict[str, Callable[[int], TierPolicy]] = {"lru": LeastRecentlyUsed, "arc": AdaptiveReplacement}
+
+
+def tier_policy(name: str, capacity: int | None) -> TierPolicy:
+    """The policy ``name`` for a tier of ``capacity`` blocks; for an unbounded one (None), none."""
+    return NoEviction() if capacity is None else POLICIES[name](capacity)
