@@ -14,13 +14,13 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 vllm = __import__("vllm") if os.environ.get("KVPROP_REQUIRE_VLLM") else pytest.importorskip("vllm")
 
 from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention  # noqa: E402
-from kvprop.errors import ConfigError  # noqa: E402
 from kvprop.search import trace as tr  # noqa: E402
 from kvprop.search.execute import execute  # noqa: E402
 from kvprop.search.harness import Harness  # noqa: E402
 from kvprop.search.walk import operations, run, start  # noqa: E402
 from kvprop.targets import shapes_of  # noqa: E402
 from kvprop.targets.vllm.config import build_scheduler  # noqa: E402
+from kvprop.targets.vllm.shapes import _builds  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -53,15 +53,6 @@ def bounded_tier_walks(count: int):
     return found
 
 
-def _builds(config: EngineConfig) -> bool:
-    """Whether this release starts with ``config`` (some refuse a shape the sampler draws)."""
-    try:
-        build_scheduler(config)
-    except ConfigError:
-        return False
-    return True
-
-
 def _walk(seed: int, config: EngineConfig):
     begun = attrs.evolve(start(seed, 150, shapes=shapes_of("vllm-scheduler")), config=config)
     harness = Harness(config, target="vllm-scheduler")
@@ -86,7 +77,8 @@ def _evictions(monkeypatch) -> list:
 
 
 def test_walks_through_a_bounded_tier_evict_and_end_only_in_triaged_kinds(monkeypatch):
-    """Twelve walks with a tier of a quarter of the GPU pool, both policies: the tier evicts, and every walk that fails ends in a kind walks without a bound end in (triaged)."""
+    """Twelve walks with a tier of a quarter of the GPU pool, both policies: the tier evicts, and
+    every walk that fails ends in a kind walks without a bound end in (triaged)."""
     from test_vllm_scheduler import known_kinds
 
     made = _evictions(monkeypatch)
