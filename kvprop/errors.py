@@ -40,11 +40,14 @@ class Violation(KvpropError, AssertionError):
     """An invariant does not hold.
 
     ``kind`` is a short stable name (the minimiser keeps a candidate only while the same
-    kind still fails); ``blocks``, ``requests`` and ``groups`` name what is involved.
+    kind still fails); ``blocks``, ``requests`` and ``groups`` name what is involved; ``cause``,
+    where a kind holds several mechanisms, names the one seen (``liveness``: what the stalled
+    requests wait for, ``kvprop.check.stall``), and joins the find's signature.
     """
 
-    def __init__(self, kind: str, message: str, *, blocks=(), requests=(), groups=()):
+    def __init__(self, kind: str, message: str, *, blocks=(), requests=(), groups=(), cause: str | None = None):
         self.kind = kind
+        self.cause = cause
         self.blocks = tuple(blocks)
         self.requests = tuple(requests)
         self.groups = tuple(groups)

@@ -264,7 +264,7 @@ def test_a_load_admitted_without_room_for_the_first_to_finish_is_load_room_short
 def test_loads_admitted_without_room_to_finish_never_end(checker):
     eng, a, b = two_loads(Checker(enabled=False), "loads-unreserved")  # admitted unjudged
     assert (a.status, b.status, eng.view.num_free_blocks) == (Status.LOADING, Status.LOADING, 0)
-    with pytest.raises(Violation, match="liveness: 2 requests still live after 3 drain steps"):
+    with pytest.raises(Violation, match="liveness: 2 requests still live after 3 drain steps, waiting for admission"):
         drain(eng, checker)
 
 

@@ -89,9 +89,11 @@ def test_the_triaged_vllm_findings_file_reads_as_signatures():
     assert sorted(keys) == [
         "connector-handoff@Step",
         "connector-handoff@drain",
+        "data-mismatch@Step",
         "data-mismatch@drain",
         "events-reannounce-unheld@Step",
         "events-reannounce-unheld@drain",
+        "liveness:reload@drain",
         "router-forgets-resident@Abort",
         "router-forgets-resident@AddLargeRequest",
         "router-forgets-resident@AddRequest",

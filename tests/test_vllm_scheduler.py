@@ -407,8 +407,12 @@ def test_a_one_token_prompt_is_loaded_again_and_again():
 
 def test_a_one_token_prompt_is_loaded_again_and_again_without_prefix_caching():
     """The same loop with caching off, found by a 0.34.0 soak (minimised from 111 operations):
-    nothing is cached, so no block changes hands, and the request never finishes."""
-    assert outcome(tr.load(Path(__file__).parent / "data" / "one-token-reload-uncached.json")) == "liveness"
+    nothing is cached, so no block changes hands, and the request never finishes: its one token
+    is loaded again and again, which the find's signature names."""
+    failure = execute(
+        tr.load(Path(__file__).parent / "data" / "one-token-reload-uncached.json"), target="vllm-scheduler"
+    )
+    assert (failure.kind, failure.exception) == ("liveness", "reload")
 
 
 @pytest.mark.skipif(RELEASE < (0, 33), reason="prefill checkpoints follow 0.33.0's rules from 0.33.0 only")

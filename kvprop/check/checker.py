@@ -17,6 +17,7 @@ from kvprop.check import invariants as inv
 from kvprop.check.events import EventLedger
 from kvprop.check.mirror import Mirror
 from kvprop.check.router import RouterView
+from kvprop.check.stall import StallWatch
 from kvprop.sim.engine import Hooks
 
 
@@ -415,6 +416,7 @@ def drain(engine, checker: Checker, max_steps: int | None = None, on_step=None) 
         max_steps = 50 + 4 * work * max(1, len(engine.requests))
     steps = repeats = 0
     last = None
+    watch = StallWatch.for_bound(max_steps)
     while engine.requests or engine.in_flight() or (engine.connector is not None and engine.connector.saves):
         for rid in list(engine.loading):
             engine.finish_load(rid, ok=True)
@@ -424,9 +426,10 @@ def drain(engine, checker: Checker, max_steps: int | None = None, on_step=None) 
         if not engine.requests and not engine.in_flight():
             break
         if steps >= max_steps or repeats >= STALLED_STEPS:
-            outcomes.liveness(engine, steps)
+            outcomes.liveness(engine, steps, watch.cause(engine.requests.values()))
         report = engine.step()
         steps += 1
+        watch.record(report, engine.loading)
         checker.check_all(engine)
         if on_step is not None:
             on_step()

@@ -90,16 +90,19 @@ def check_refusal(view, request_id: str, before) -> None:
 # ---- 9. liveness --------------------------------------------------------------------------
 
 
-def liveness(engine, steps: int | None = None) -> None:
+def liveness(engine, steps: int | None = None, cause: str | None = None) -> None:
     """9. With arrivals stopped, every request ends: called during a drain when ``steps`` exceeded
     its bound, and after it (``steps`` None). That every block returns then follows from the
-    full sweep the drain ends with: a block held by no table is a ref-cnt-mismatch."""
+    full sweep the drain ends with: a block held by no table is a ref-cnt-mismatch. ``cause``
+    is what the live requests wait for (``kvprop.check.stall``)."""
     if steps is not None or engine.requests:
         after = f"after {steps} drain steps" if steps is not None else "after the drain"
+        waits = f", waiting for {cause}" if cause else ""
         raise Violation(
             "liveness",
-            f"{len(engine.requests)} requests still live {after}: {sorted(engine.requests)}",
+            f"{len(engine.requests)} requests still live {after}{waits}: {sorted(engine.requests)}",
             requests=sorted(engine.requests),
+            cause=cause,
         )
 
 

@@ -1,8 +1,9 @@
 """A find's signature: what tells one bug from another, so that a campaign counts distinct
 findings rather than traces.
 
-The key is the violated kind (or the crashing exception's type, or a dead worker's signal or
-exit status) and the operation it was detected at (the drain at the end when no operation
+The key is the violated kind (with the crashing exception's type, a dead worker's signal or
+exit status, or what a stalled request waits for: ``kvprop.check.stall``) and the operation it
+was detected at (the drain at the end when no operation
 failed). Traces of one bug mostly share it; a bug detected at several operations (at a step in
 one walk, at the drain in another) has one key per operation, and a triaged-findings file lists
 each. The configuration features present say what the find involves: on a minimised trace,
@@ -20,7 +21,7 @@ import attrs
 from kvprop.allocator.specs import OPTIONS, EngineConfig, Mamba
 from kvprop.search.trace import Trace
 
-KEY = re.compile(r"^[a-z][a-z-]*(?::[^@\n]{1,80})?@[A-Za-z]+$")  # kind[:exception]@operation
+KEY = re.compile(r"^[a-z][a-z-]*(?::[^@\n]{1,80})?@[A-Za-z]+$")  # kind[:exception or cause]@operation
 
 
 @attrs.frozen

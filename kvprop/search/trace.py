@@ -50,7 +50,9 @@ class Failure:
     """Where a replay failed: the step index (len(steps) means the final drain), a kind, a message.
 
     ``origin`` says what failed: an invariant (``violation``, ``kind`` names it) or the target's
-    own code raising (``target-crash``, ``exception`` names the exception type). An error of
+    own code raising (``target-crash``, ``exception`` names the exception type); for an invariant
+    whose kind holds several mechanisms, ``exception`` names the one seen (the Violation's
+    ``cause``: what a stalled request waits for). An error of
     the harness itself is never a Failure: it propagates as an internal error."""
 
     step: int
@@ -64,7 +66,8 @@ class Failure:
 
     @property
     def signature(self) -> tuple:
-        """What the minimiser keeps constant: the violated kind, or the crashing exception's type."""
+        """What the minimiser keeps constant: the violated kind and its cause, or the crashing
+        exception's type."""
         return (self.kind, self.exception)
 
 
@@ -72,7 +75,7 @@ def failure_from(error: Violation | TargetCrash, step: int) -> Failure:
     """The Failure a finding exception stands for (a Violation or a TargetCrash)."""
     if isinstance(error, TargetCrash):
         return Failure(step, "target-crash", str(error), "target-crash", error.exception_type)
-    return Failure(step, error.kind, str(error))
+    return Failure(step, error.kind, str(error), exception=error.cause)
 
 
 @attrs.frozen
