@@ -93,6 +93,7 @@ def test_the_triaged_vllm_findings_file_reads_as_signatures():
         "data-mismatch@drain",
         "events-reannounce-unheld@Step",
         "events-reannounce-unheld@drain",
+        "liveness:admission@drain",
         "liveness:reload@drain",
         "router-forgets-resident@Abort",
         "router-forgets-resident@AddLargeRequest",
