@@ -23,9 +23,9 @@ def watched(*steps: tuple[StepReport, tuple[str, ...]], span: int = 10) -> Stall
     return watch
 
 
-def test_a_request_loaded_twice_waits_for_a_reload():
+def test_a_request_loading_after_two_steps_waits_for_a_load():
     watch = watched((StepReport(), ("r0",)), (StepReport(scheduled={"r0": 1}), ()), (StepReport(), ("r0",)))
-    assert watch.cause([Live("r0")]) == "reload"
+    assert watch.cause([Live("r0")]) == "load"
 
 
 def test_a_request_preempted_twice_waits_for_preemption():
@@ -55,7 +55,7 @@ def test_a_step_scheduling_no_tokens_is_no_progress():
 
 def test_the_causes_of_several_requests_are_sorted_and_joined():
     watch = watched((StepReport(scheduled={"r1": 1}), ("r0",)), (StepReport(), ("r0",)))
-    assert watch.cause([Live("r1", Status.RUNNING), Live("r0")]) == "progress+reload"
+    assert watch.cause([Live("r1", Status.RUNNING), Live("r0")]) == "load+progress"
 
 
 def test_steps_older_than_two_windows_are_forgotten():
@@ -66,7 +66,7 @@ def test_steps_older_than_two_windows_are_forgotten():
 
 def test_the_last_window_and_the_one_before_are_both_judged():
     steps = [(StepReport(), ("r0",)), (StepReport(), ("r0",)), (StepReport(), ())]
-    assert watched(*steps, span=2).cause([Live("r0")]) == "reload"
+    assert watched(*steps, span=2).cause([Live("r0")]) == "load"
 
 
 def test_a_window_is_a_quarter_of_the_drains_bound():

@@ -412,7 +412,7 @@ def test_a_one_token_prompt_is_loaded_again_and_again_without_prefix_caching():
     failure = execute(
         tr.load(Path(__file__).parent / "data" / "one-token-reload-uncached.json"), target="vllm-scheduler"
     )
-    assert (failure.kind, failure.exception) == ("liveness", "reload")
+    assert (failure.kind, failure.exception) == ("liveness", "load")
 
 
 @pytest.mark.skipif(RELEASE < (0, 33), reason="prefill checkpoints follow 0.33.0's rules from 0.33.0 only")

@@ -1,17 +1,18 @@
 """What a stalled request waits for: the drain's liveness find named by its mechanism.
 
-One kind, ``liveness``, holds several bugs: a request whose KV is loaded again and again, one
+One kind, ``liveness``, holds several bugs: a request that keeps waiting on a load of its KV, one
 preempted again and again, one that never gets room to be admitted, one admitted but never
 scheduled, one that computes but never finishes. A campaign triages finds by signature, so a
 known liveness bug listed by its kind alone would hide every new one. The drain watches what
 each live request does in its last steps (``StallWatch``) and names the cause in the find's
-signature (``liveness:reload@drain``), read from what every engine reports: the tokens a step
-schedules, its admissions and preemptions, and the loads it starts.
+signature (``liveness:load@drain``), read from what every engine reports: the tokens a step
+schedules, its preemptions, and the requests loading after it.
 
 The causes, the first that applies to a request, over the drain's last steps (between one and
 two windows of a quarter of its bound):
 
-- ``reload``: a load of its KV started twice or more; each completes, and it is needed again;
+- ``load``: loading after two steps or more, though the drain completes every load before each
+  step: its KV is loaded again and again, or a completed load is never taken up;
 - ``preemption``: preempted twice or more: admitted and put back again and again;
 - ``admission``: scheduled nothing and not running: it waits for room to be admitted;
 - ``schedule``: scheduled nothing though running: admitted, then starved;
@@ -28,7 +29,7 @@ import attrs
 
 from kvprop.sim.request import Status
 
-CAUSES = ("reload", "preemption", "admission", "schedule", "progress")
+CAUSES = ("load", "preemption", "admission", "schedule", "progress")
 
 
 @attrs.define
@@ -56,8 +57,8 @@ class StallWatch:
         return cls(max(2, max_steps // 4))
 
     def record(self, report, loading) -> None:
-        """One engine step: its report and the requests loading after it (loads it started; the
-        drain completes every load before the next step)."""
+        """One engine step: its report and the requests loading after it (the drain completes
+        every load before the next step)."""
         if self.steps and self.steps % self.span == 0:
             self.previous, self.current = self.current, _Window()
         self.steps += 1
@@ -69,7 +70,7 @@ class StallWatch:
         seen = self.previous.add(self.current)
         rid = request.request_id
         if seen.loads[rid] >= 2:
-            return "reload"
+            return "load"
         if seen.preempted[rid] >= 2:
             return "preemption"
         if not seen.scheduled[rid]:
