@@ -1,12 +1,16 @@
-"""The external tier's capacity and eviction policies (kvprop.sim.tier_policy, kvprop.sim.connector)."""
+"""The external tier's capacity, eviction policies and chunks (kvprop.sim.tier_policy, kvprop.sim.connector,
+kvprop.targets.vllm.offload)."""
 
+import attrs
 import pytest
+from helpers import engine
 
 from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention
 from kvprop.errors import ConfigError
 from kvprop.sim.connector import Connector, PendingLoad
 from kvprop.sim.memory import PagedMemory
 from kvprop.sim.tier_policy import AdaptiveReplacement, LeastRecentlyUsed
+from kvprop.targets.vllm.offload import transfer_from
 
 
 def idle(key) -> bool:
@@ -114,3 +118,55 @@ def test_a_tier_setting_without_a_connector_is_refused():
 def test_an_unknown_tier_policy_is_refused():
     with pytest.raises(ConfigError, match=r"tier_policy must be one of \['lru', 'arc'\]"):
         EngineConfig(AllocatorConfig((FullAttention(2),), 8), connector="async", tier_policy="lfu")
+
+
+def test_a_chunk_setting_without_a_connector_is_refused():
+    with pytest.raises(ConfigError, match="tier_chunk must be 1 with connector 'off'"):
+        EngineConfig(AllocatorConfig((FullAttention(2),), 8), tier_chunk=2)
+
+
+def test_a_tier_smaller_than_a_chunk_is_refused():
+    with pytest.raises(ConfigError, match="tier_blocks must hold one chunk at least: 1 blocks in chunks of 2"):
+        EngineConfig(AllocatorConfig((FullAttention(2),), 8), connector="async", tier_blocks=1, tier_chunk=2)
+
+
+def test_kvprops_own_tier_refuses_chunks():
+    with pytest.raises(ConfigError, match="tier_chunk must be 1 for kvprop's own tier"):
+        engine([FullAttention(2)], 8, connector="async", tier_chunk=2)
+
+
+@attrs.frozen
+class Spec:
+    """One side of a transfer as vLLM's offloading connector lists it (``GPULoadStoreSpec``:
+    block ids, each group's count and the logical index of its first block; the CPU side's
+    ``block_ids`` are chunks)."""
+
+    block_ids: tuple
+    group_sizes: tuple = ()
+    block_indices: tuple = ()
+
+
+@attrs.frozen
+class Job:
+    req_id: str
+    src_spec: Spec
+    dst_spec: Spec
+
+
+def test_a_store_takes_each_groups_chunks_in_turn():
+    """A 0.34.0 store of three groups in chunks of 2 blocks, the first two from logical block 4,
+    the third from block 2: each group fills whole chunks of its own."""
+    gpu = Spec((11, 12, 14, 15, 9, 16, 17, 18), (2, 2, 4), (4, 4, 2))
+    transfer = transfer_from(7, Job("r0", gpu, Spec((1, 2, 3, 4))), load=False, blocks_per_chunk=2)
+    assert (transfer.gpu, transfer.cpu) == (
+        [(0, 11), (0, 12), (1, 14), (1, 15), (2, 9), (2, 16), (2, 17), (2, 18)],
+        [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1), (4, 0), (4, 1)],
+    )
+
+
+def test_a_load_from_inside_a_chunk_skips_the_blocks_before_it():
+    """A 0.34.0 load whose second group starts at logical block 5, the second block of its chunk
+    of 2: its first block is that chunk's second, and its next one starts the next chunk."""
+    gpu = Spec((14, 13, 6, 5), (1, 2, 1), (6, 5, 6))
+    transfer = transfer_from(3, Job("r3", Spec((6, 2, 7, 5)), gpu), load=True, blocks_per_chunk=2)
+    assert (transfer.gpu, transfer.cpu) == ([(0, 14), (1, 13), (1, 6), (2, 5)], [(6, 0), (2, 1), (7, 0), (5, 0)])

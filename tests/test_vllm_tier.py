@@ -1,9 +1,10 @@
-"""vLLM's CPU tier at the size and eviction policy drawn (``EngineConfig.tier_blocks``,
-``tier_policy``) behind ``--target vllm-scheduler``; skipped where vLLM is absent."""
+"""vLLM's CPU tier at the size, eviction policy and chunk drawn (``EngineConfig.tier_blocks``,
+``tier_policy``, ``tier_chunk``) behind ``--target vllm-scheduler``; skipped where vLLM is absent."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import attrs
 import pytest
@@ -13,7 +14,10 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 # make test-vllm (and so CI) sets KVPROP_REQUIRE_VLLM: there a missing vLLM fails, never skips
 vllm = __import__("vllm") if os.environ.get("KVPROP_REQUIRE_VLLM") else pytest.importorskip("vllm")
 
+from helpers import reported  # noqa: E402
+
 from kvprop.allocator.specs import AllocatorConfig, EngineConfig, FullAttention  # noqa: E402
+from kvprop.front.report import run_reproducer  # noqa: E402
 from kvprop.search import trace as tr  # noqa: E402
 from kvprop.search.execute import execute  # noqa: E402
 from kvprop.search.harness import Harness  # noqa: E402
@@ -36,7 +40,7 @@ def test_vllms_cpu_tier_holds_the_blocks_and_evicts_by_the_policy_drawn(policy, 
 
 def bounded_tier_walks(count: int):
     """The first ``count`` walks with a connector this release runs, each with a tier of a
-    quarter of the GPU pool and the two policies in turn; batches in flight as drawn from 0.30.0
+    quarter of the GPU pool (one chunk at least) and the two policies in turn; batches in flight as drawn from 0.30.0
     (before, pipelined walks end in finds known upstream and not triaged: docs/findings.md,
     "Batches in flight before 0.30.0")."""
     pipelined = Version(vllm.__version__).release[:2] >= (0, 30)
@@ -45,7 +49,9 @@ def bounded_tier_walks(count: int):
         config = start(seed, 150, shapes=shapes_of("vllm-scheduler")).config
         if config.connector != "off" and (pipelined or config.pipeline_depth == 1):
             bounded = attrs.evolve(
-                config, tier_blocks=max(1, config.allocator.num_blocks // 4), tier_policy=("lru", "arc")[len(found) % 2]
+                config,
+                tier_blocks=max(config.tier_chunk, config.allocator.num_blocks // 4),
+                tier_policy=("lru", "arc")[len(found) % 2],
             )
             if _builds(bounded):
                 found.append((seed, bounded))
@@ -120,3 +126,43 @@ def test_a_flush_reaches_a_store_that_a_batch_in_flight_issued():
     if not _builds(trace.config):
         pytest.skip(f"vLLM {vllm.__version__} refuses a chunked-local group beside its offloading connector")
     assert execute(trace, target="vllm-scheduler") is None
+
+
+CHUNKS = Version(vllm.__version__).release[:2] >= (0, 30)
+
+
+@pytest.mark.skipif(not CHUNKS, reason="the offloading connector takes blocks_per_chunk from 0.30.0")
+def test_vllms_cpu_tier_holds_chunks_of_the_blocks_drawn():
+    connector = build_scheduler(attrs.evolve(CONFIG, tier_blocks=8, tier_chunk=2)).connector.connector_scheduler
+    assert (connector.manager._num_chunks, connector.config.blocks_per_chunk) == (4, 2)
+
+
+@pytest.mark.skipif(CHUNKS, reason="from 0.30.0 the offloading connector takes blocks_per_chunk")
+def test_a_release_without_chunks_refuses_them():
+    from kvprop.targets.vllm.releases import scheduler_refusal
+
+    assert "has no blocks_per_chunk (0.30.0 on)" in scheduler_refusal(attrs.evolve(CONFIG, tier_chunk=2))
+
+
+@pytest.mark.skipif(not CHUNKS, reason="the offloading connector takes blocks_per_chunk from 0.30.0")
+def test_a_chunk_stored_with_a_window_placeholder_serves_a_prefix_that_needs_it():
+    """A chunk of two blocks is stored while the first is outside its request's sliding window,
+    the null block standing in for it; a request with the same prefix, whose window reaches that
+    block, loads it from the chunk and reads what the null block held (docs/findings.md)."""
+    failure = execute(
+        tr.load(Path(__file__).parent / "data" / "chunk-window-placeholder.json"), target="vllm-scheduler"
+    )
+    assert (failure.kind, failure.message.split(" reads ")[0]) == (
+        "data-mismatch",
+        "data-mismatch: cached(7124538957794459963, 0) group 0 position 6 in block 10",
+    )
+
+
+@pytest.mark.skipif(not CHUNKS, reason="the offloading connector takes blocks_per_chunk from 0.30.0")
+def test_the_report_of_a_find_with_batches_in_flight_schedules_ahead_as_the_engine_core_does(tmp_path):
+    """The reproducer keeps two batches in flight, as the trace did: vLLM alone, through the same
+    chunked transfers, reads the placeholder where r3's window attends."""
+    code, out = reported(tmp_path, tr.load(Path(__file__).parent / "data" / "chunk-window-placeholder.json"))
+    last = run_reproducer(out).stderr.strip().splitlines()[-1]
+    said = "AssertionError: r3 group 0 attends to position 6 in block 10, which holds "
+    assert (code, last.startswith(said)) == (0, True)

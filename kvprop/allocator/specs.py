@@ -543,6 +543,18 @@ class EngineConfig:
         draw=None,  # drawn with tier_blocks
     )
 
+    tier_chunk: int = option(
+        1,
+        validator=_int_at_least(1),
+        doc="GPU blocks per chunk of the external tier (vLLM's offloading connector blocks_per_chunk, 0.30.0 on): "
+        "its keys, stores and loads are whole chunks, and tier_blocks counts their blocks. Driven through vLLM's "
+        "scheduler; kvprop's own tier keeps one block per key and refuses chunks",
+        types=(int,),
+        absent=1,
+        simpler=(1,),
+        draw=None,  # drawn with tier_blocks, for vLLM's scheduler (kvprop.search.late_draws.offload_tier)
+    )
+
     @property
     def fences_frees(self) -> bool:
         """Whether a request's blocks wait for its last batch in flight before they are freed:
@@ -579,6 +591,16 @@ class EngineConfig:
             raise ConfigError(
                 f"EngineConfig.tier_blocks must be null and tier_policy 'lru' with connector 'off' (there is no "
                 f"external tier), got {self.tier_blocks!r} and {self.tier_policy!r}"
+            )
+        if self.connector == "off" and self.tier_chunk != 1:
+            raise ConfigError(
+                f"EngineConfig.tier_chunk must be 1 with connector 'off' (there is no external tier), got "
+                f"{self.tier_chunk!r}"
+            )
+        if self.tier_blocks is not None and self.tier_blocks < self.tier_chunk:
+            raise ConfigError(
+                f"EngineConfig.tier_blocks must hold one chunk at least: {self.tier_blocks} blocks in chunks of "
+                f"{self.tier_chunk} (tier_chunk)"
             )
         if self.connector != "off" and self.allocator.partial_hits:
             raise ConfigError(

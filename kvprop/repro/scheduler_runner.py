@@ -22,7 +22,7 @@ def transferred(job, load, ok):
     pass
 
 
-def computed(output, at):
+def computed(output, at, rows=None):
     pass
 """
 
@@ -34,11 +34,13 @@ def computed(output, at):
 # and each must read back what it must hold. State groups (``MambaSpec``) are not judged here.
 DATA = '''
 memory = {}  # (block id, offset) -> (group, position, prefix) the worker wrote there last
-cpu_tier = {}  # CPU block id -> {offset: value}
+cpu_tier = {}  # (CPU chunk id, block within it) -> {offset: value}
 tables = {}  # request id -> the block ids the worker holds, per group
 GROUPS = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
 ATTENTION = [g for g, spec in enumerate(GROUPS) if type(spec).__name__ != "MambaSpec"]
 SIZE = scheduler.block_size
+TRANSFER = vllm_config.kv_transfer_config
+CHUNK = int((TRANSFER.kv_connector_extra_config or {}).get("blocks_per_chunk", 1)) if TRANSFER else 1
 
 
 def value(group, position, tokens):
@@ -66,34 +68,58 @@ def scheduled(output):
             memory[(copy.dst_block_id, offset)] = memory.get((copy.src_block_id, offset))
 
 
+def chunk_places(gpu, cpu):
+    """Each GPU block's place in the CPU tier, (chunk, block within it): a group's blocks start
+    ``block_indices[g] % CHUNK`` blocks into its first chunk, and each group takes its chunks
+    in turn (vLLM's offloading worker, ``iter_pointer_groups``)."""
+    ids, chunks = [int(b) for b in gpu.block_ids], [int(c) for c in cpu.block_ids]
+    if CHUNK == 1:
+        return [(gpu_id, (chunk, 0)) for gpu_id, chunk in zip(ids, chunks)]
+    sizes, firsts = list(gpu.group_sizes), list(gpu.block_indices)  # chunks: 0.30.0 on
+    places, start, taken = [], 0, 0
+    for size, first in zip(sizes, firsts):
+        skip = first % CHUNK if size else 0
+        for j in range(size):
+            places.append((ids[start + j], (chunks[taken + (skip + j) // CHUNK], (skip + j) % CHUNK)))
+        start, taken = start + size, taken + -(-(skip + size) // CHUNK)
+    return places
+
+
 def transferred(job, load, ok):
     """A store reads its GPU blocks into the CPU tier; a load that succeeds writes them back."""
     src, dst = job.transfer_spec if hasattr(job, "transfer_spec") else (job.src_spec, job.dst_spec)
     gpu, cpu = (dst, src) if load else (src, dst)
-    for gpu_id, cpu_id in zip(gpu.block_ids, cpu.block_ids):
+    for gpu_id, place in chunk_places(gpu, cpu):
         if not load:
-            cpu_tier[int(cpu_id)] = {o: memory.get((int(gpu_id), o)) for o in range(SIZE)}
+            cpu_tier[place] = {o: memory.get((gpu_id, o)) for o in range(SIZE)}
         elif ok:
-            for offset, held in cpu_tier.get(int(cpu_id), {}).items():
-                memory[(int(gpu_id), offset)] = held
+            for offset, held in cpu_tier.get(place, {}).items():
+                memory[(gpu_id, offset)] = held
 
 
-def computed(output, at):
+def computed(output, at, rows=None):
     """The pass writes every scheduled position of every attention group (drafts included), then
-    attends to every position before each request's end: each must read back its own data."""
+    attends to every position before each request's end: each must read back its own data.
+    ``rows`` (a batch run after others were scheduled): each request's block tables and tokens
+    as the batch was launched, which the pass runs through."""
     manager = scheduler.kv_cache_manager
     null = manager.block_pool.null_block.block_id
-    tokens = {}
+    tokens, held_tables = {}, {}
+    for request_id in output.num_scheduled_tokens:
+        if rows is not None:
+            held_tables[request_id], tokens[request_id] = rows[request_id]
+        else:
+            request = scheduler.requests[request_id]
+            held_tables[request_id] = tables[request_id]
+            tokens[request_id] = [*request.all_token_ids, *output.scheduled_spec_decode_tokens.get(request_id, ())]
     for request_id, n in output.num_scheduled_tokens.items():
-        request = scheduler.requests[request_id]
-        tokens[request_id] = [*request.all_token_ids, *output.scheduled_spec_decode_tokens.get(request_id, ())]
         for g in ATTENTION:
-            table = tables[request_id][g]
+            table = held_tables[request_id][g]
             for position in range(at[request_id], at[request_id] + n):
                 memory[(table[position // SIZE], position % SIZE)] = value(g, position, tokens[request_id])
     for request_id, n in output.num_scheduled_tokens.items():
         for g in ATTENTION:
-            table = tables[request_id][g]
+            table = held_tables[request_id][g]
             for position in range(at[request_id] + n):
                 block_id = table[position // SIZE]
                 if block_id == null:
@@ -106,13 +132,13 @@ def computed(output, at):
                     + ": the pass reads data no pass wrote for this prefix"
                 )
 
-
 def check():
     pass
 '''
 
 RUNNER = '''
 transfers = {}  # job id -> (request id, is a load, the job)
+in_flight = collections.deque()  # batches scheduled and not yet completed, newest first (DEPTH above 1)
 stores_due = []  # store jobs issued last step: they read their blocks after this step's pass
 done = {"jobs": set(), "recving": set(), "failed": set(), "failed_jobs": set()}
 REPORTS_FAILED = "failed_jobs" in inspect.signature(OffloadingWorkerMetadata).parameters
@@ -189,15 +215,25 @@ def starts(output):
     return at
 
 
+def connector_meta(output):
+    """The connector's metadata a step carries (None without a connector)."""
+    return getattr(output, "kv_connector_metadata", None)
+
+
+def flushed(meta):
+    """The store jobs a step's metadata asks the worker to finish before its pass."""
+    return getattr(meta, "jobs_to_flush", None) or ()
+
+
 def step():
     """One engine step: schedule, run the connector's jobs and the model, hand the output back."""
     output = scheduler.schedule()
     scheduled(output)
-    meta = getattr(output, "kv_connector_metadata", None)
+    meta = connector_meta(output)
     due = list(stores_due)
     stores_due.clear()
     if meta is not None:
-        for job_id in getattr(meta, "jobs_to_flush", None) or ():
+        for job_id in flushed(meta):
             complete(job_id)
         for job_id, job in meta.load_jobs.items():
             transfers[job_id] = (job.req_id, True, job)
@@ -240,7 +276,7 @@ def drain():
     work = sum(r.num_tokens + r.sampling_params.max_tokens for r in scheduler.requests.values())
     bound = 50 + 4 * work * max(1, len(scheduler.requests))
     steps = 0
-    while scheduler.requests:
+    while scheduler.requests or in_flight:
         for request_id in sorted({rid for rid, load, _ in transfers.values() if load}):
             finish_load(request_id, True)
         if steps >= bound and not JUDGE_LIVENESS:
@@ -254,4 +290,90 @@ def drain():
         steps += 1
         check()
     return steps
+'''
+
+# With batches in flight (``EngineConfig.pipeline_depth`` above 1): the engine core's batch queue
+# (``EngineCore.step_with_batch_queue``), as ``kvprop.sim.pipeline.BatchQueue.turn`` and
+# ``kvprop.targets.vllm.batches`` run it: schedule ahead while fewer than DEPTH batches are in
+# flight, else take the oldest batch's output. The worker takes a batch's tables and transfers as
+# it is launched, flushes again just before its pass, and the pass samples the token after each
+# row that reaches its request's end, whatever happened to the request since.
+PIPELINED = '''
+stored_early = set()  # store jobs a flush in their own step ran before the pass
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
+
+    FLUSHES_OWN_STEP = "store_jobs.pop" in inspect.getsource(OffloadingConnectorWorker.handle_preemptions)
+except ImportError:  # before 0.30.0: only the stores already submitted are flushed
+    FLUSHES_OWN_STEP = False
+
+
+def flush(meta):
+    """Run every store the flush names that the worker holds; from 0.30.0 one of the flush's own
+    step too (``handle_preemptions`` pops it from ``store_jobs``)."""
+    for job_id in flushed(meta):
+        if job_id in meta.store_jobs and job_id not in stored_early and FLUSHES_OWN_STEP:
+            transfers[job_id] = (meta.store_jobs[job_id].req_id, False, meta.store_jobs[job_id])
+            stored_early.add(job_id)
+        if job_id in transfers and not transfers[job_id][1]:
+            complete(job_id)
+
+
+def launch():
+    """``schedule()``: the worker takes the batch's tables, its flush and its loads."""
+    output = scheduler.schedule()
+    scheduled(output)
+    meta = connector_meta(output)
+    if meta is not None:
+        flush(meta)
+        for job_id, job in meta.load_jobs.items():
+            transfers[job_id] = (job.req_id, True, job)
+            if SYNC_LOADS:
+                finish_load(job.req_id, True)
+    at = starts(output)
+    rows, samples = {}, {}
+    for request_id, n in output.num_scheduled_tokens.items():
+        request = scheduler.requests[request_id]
+        rows[request_id] = ([list(table) for table in tables[request_id]], TOKENS[request_id])
+        samples[request_id] = at[request_id] + n >= request.num_tokens
+    return output, at, rows, samples
+
+
+def finish(batch):
+    """The batch's pass, then its output: the flush again, the pass, the stores due."""
+    global stores_due
+    output, at, rows, samples = batch
+    meta = connector_meta(output)
+    if meta is not None:
+        flush(meta)
+    computed(output, at, rows)
+    due, stores_due = stores_due, []
+    for job_id in due:
+        complete(job_id)
+    for job_id, job in (meta.store_jobs.items() if meta is not None else ()):
+        if job_id in stored_early:
+            stored_early.discard(job_id)
+            continue
+        transfers[job_id] = (job.req_id, False, job)
+        stores_due.append(job_id)
+    ids = list(output.num_scheduled_tokens)
+    sampled = [
+        [TOKENS[rid][at[rid] + output.num_scheduled_tokens[rid]]] if samples[rid] else [] for rid in ids
+    ]
+    extra = {"req_id_to_index": {rid: i for i, rid in enumerate(ids)}} if INDEXED else {}
+    if scheduler.connector is not None:
+        extra["kv_connector_output"] = connector_output()
+    scheduler.update_from_output(output, ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, **extra))
+
+
+def step():
+    """One turn of the batch queue: schedule ahead while fewer than DEPTH are in flight (and the
+    batch scheduled something or more work waits), else complete the oldest batch."""
+    if scheduler.has_requests():
+        output = launch()
+        in_flight.appendleft(output)
+        if len(in_flight) < DEPTH and (output[0].num_scheduled_tokens or scheduler.has_requests()):
+            return output[0]
+    if in_flight:
+        finish(in_flight.pop())
 '''

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import textwrap
 
-from kvprop.repro.scheduler_runner import DATA, NO_DATA, RUNNER
+from kvprop.repro.scheduler_runner import DATA, NO_DATA, PIPELINED, RUNNER
 from kvprop.repro.script_events import EVENT_KINDS, EVENTS
 from kvprop.repro.vllm_scheduler_record import SchedulerRecording
 from kvprop.repro.vllm_script import CHECKS as POOL_CHECKS
@@ -94,8 +94,11 @@ def recipe_lines(recipe: Recipe, modules: set) -> list[str]:
 
 MADE = '''
 def made(cls, *args, **kwargs):
-    """``cls(...)`` with the keywords this release takes; one it lacks only at a neutral value."""
+    """``cls(...)`` with the keywords this release takes; one it lacks only at a neutral value.
+    A class that passes its keywords on (``AsyncScheduler``) takes those of its base."""
     takes = inspect.signature(cls).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in takes.values()):
+        takes = inspect.signature(cls.__mro__[1]).parameters
     lacking = {k: v for k, v in kwargs.items() if k not in takes}
     if any(v not in (None, 0, False) for v in lacking.values()):
         print(f"vLLM {vllm.__version__}'s {cls.__name__} takes none of {sorted(lacking)}: another release's API")
@@ -199,8 +202,10 @@ def render(recording: SchedulerRecording, steps: tuple, kind: str, sentence: str
         f"DRAFTS = {drafts!r}",
         f"SYNC_LOADS = {engine.config.connector == 'sync'!r}  # the worker completes a load in the step that starts it",
         f"JUDGE_LIVENESS = {kind == 'liveness'!r}  # the drain's bound is this script's property",
+        f"DEPTH = {engine.config.pipeline_depth}  # batches in flight at once (1: each step completes its own)",
         *_checks(kind),
         *RUNNER.strip("\n").splitlines(),
+        *(["", "", *PIPELINED.strip("\n").splitlines()] if engine.config.pipeline_depth > 1 else []),
     ]
     if kind in EVENT_KINDS:
         header += ["", *EVENTS.strip("\n").splitlines(), "", "", "watch_events(scheduler.kv_cache_manager)"]

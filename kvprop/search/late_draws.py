@@ -20,16 +20,21 @@ def late_draws(side, config: EngineConfig, shapes: Shapes) -> EngineConfig:
 def offload_tier(side, config: EngineConfig, shapes: Shapes) -> EngineConfig:
     """A tier of a quarter, half or all of the GPU pool in three of five shapes with a connector, so
     saves evict (twice the pool, the default, rarely fills in a walk), with either eviction
-    policy; drawn after the pipeline depth, so that every value drawn before keeps its seed.
-    Drawn only for a target that names the options (vLLM's scheduler, whose CPU tier they size):
-    kvprop's own tier runs them from a trace or a configuration, and drawing them for it would
+    policy, in chunks of 2 or 4 blocks in half the shapes where the target takes chunks; drawn
+    after the pipeline depth, so that every value drawn before keeps its seed. Drawn only for a
+    target that names the options (vLLM's scheduler, whose CPU tier they size): kvprop's own
+    tier runs size and policy from a trace or a configuration, and drawing them for it would
     move every connector walk that the variants' shipped seeds find (tests/test_tier.py holds
     its policies)."""
     if config.connector == "off" or shapes.options is None or "tier_blocks" not in shapes.options:
         return config
     num_blocks = config.allocator.num_blocks
     blocks = side.pick((None, None, max(1, num_blocks // 4), max(1, num_blocks // 2), num_blocks))
-    return attrs.evolve(config, tier_blocks=blocks, tier_policy=side.pick(TIER_POLICIES))
+    config = attrs.evolve(config, tier_blocks=blocks, tier_policy=side.pick(TIER_POLICIES))
+    if "tier_chunk" not in shapes.options:
+        return config
+    chunk = side.pick((1, 1, 2, 4))
+    return config if blocks is not None and blocks < chunk else attrs.evolve(config, tier_chunk=chunk)
 
 
 def pipeline_depth(side, config: EngineConfig, shapes: Shapes) -> EngineConfig:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from kvprop.allocator.specs import EngineConfig, Mamba
 from kvprop.capabilities import EVERY, Capabilities
+from kvprop.errors import ConfigError
 from kvprop.sim.connector import Connector
 from kvprop.sim.hooks import Hooks
 from kvprop.sim.misuse import MISUSES, BuggyCaller
@@ -35,7 +36,8 @@ class Engine(Pipeline, Scheduler, Worker, BuggyCaller):
     """A simulated server over one allocator: its scheduler, its worker and its buggy caller."""
 
     terms = "blocks"  # judged by kvprop's block invariants; an engine with its own terms names them
-    connector_class = Connector  # the external tier's (a variant plants a bug in it)
+    # the external tier's (a variant plants a bug in it; None: the target's own is in charge)
+    connector_class: type[Connector] | None = Connector
 
     def __init__(
         self,
@@ -56,9 +58,14 @@ class Engine(Pipeline, Scheduler, Worker, BuggyCaller):
         self.block_size = config.allocator.block_size
         self.hooks = hooks or Hooks()
         self._init_worker(config.allocator.num_blocks, device)
+        if config.tier_chunk != 1 and self.connector_class is not None:
+            raise ConfigError(
+                f"EngineConfig.tier_chunk must be 1 for kvprop's own tier, which keeps one block per key, got "
+                f"{config.tier_chunk}: a chunked tier runs through vLLM's scheduler (--target vllm-scheduler)"
+            )
         self.connector = (
             None
-            if config.connector == "off"
+            if config.connector == "off" or self.connector_class is None
             else self.connector_class(
                 config.connector,
                 self.memory,

@@ -342,7 +342,8 @@ REGISTRY = {
             "vllm-scheduler",
             "kvprop.targets.vllm.scheduler:build_engine",
             "vLLM's own Scheduler (synchronous, or asynchronous with 2 or 3 batches in flight) and "
-            "OffloadingConnector (its CPU tier of a drawn size, evicting by LRU or ARC) in charge of every step",
+            "OffloadingConnector (its CPU tier of a drawn size, evicting by LRU or ARC, in chunks of 1 to 4 blocks) "
+            "in charge of every step",
             VLLM_CAPABILITIES,
             shapes="kvprop.targets.vllm.shapes:scheduler_shapes",
             own_scheduler=True,

@@ -225,8 +225,8 @@ def _tensor(v, layer: str, page: int, num_blocks: int, recipe: Recipe):
 
 
 def _cpu_block_bytes(page: int) -> int:
-    """What one block takes in vLLM's CPU tier: its pages, rounded up to the CPU spec's alignment
-    (from 0.30.0 a memory page, ``SharedOffloadRegion``; 1 before)."""
+    """What one chunk of ``page`` bytes takes in vLLM's CPU tier, rounded up to the CPU spec's
+    alignment (from 0.30.0 a memory page, ``SharedOffloadRegion``; 1 before)."""
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
     align = int(getattr(CPUOffloadingSpec, "BLOCK_SIZE_ALIGNMENT", 1))
@@ -342,10 +342,13 @@ def build_scheduler(config: EngineConfig, recipe: Recipe | None = None):
         tensors = []
         if config.connector != "off":
             # vLLM's native CPU offloading, scheduler side; the worker side is kvprop's. The
-            # CPU tier holds tier_blocks blocks of the GPU tensors' bytes (its num_chunks), by
-            # default twice the GPU pool.
+            # CPU tier holds tier_blocks blocks of the GPU tensors' bytes, by default twice the
+            # GPU pool, in chunks of tier_chunk blocks (its num_chunks: the bytes over one
+            # chunk's, v1/kv_offload/cpu/spec.py).
             page = [spec.page_size_bytes for spec in vllm_specs(alloc, v)]
             tensors = [_tensor(v, f"layer{g}", bytes_, alloc.num_blocks, recipe) for g, bytes_ in enumerate(page)]
+            chunk = config.tier_chunk
+            chunks = (config.tier_blocks or 2 * alloc.num_blocks) // chunk
             extra["kv_transfer_config"] = _build(
                 recipe,
                 "kv_transfer_config",
@@ -354,8 +357,9 @@ def build_scheduler(config: EngineConfig, recipe: Recipe | None = None):
                 kv_connector="OffloadingConnector",
                 kv_role="kv_both",
                 kv_connector_extra_config={
-                    "cpu_bytes_to_use": (config.tier_blocks or 2 * alloc.num_blocks) * _cpu_block_bytes(sum(page)),
+                    "cpu_bytes_to_use": chunks * _cpu_block_bytes(chunk * sum(page)),
                     "eviction_policy": config.tier_policy,
+                    **({"blocks_per_chunk": chunk} if chunk > 1 else {}),
                 },
                 kv_load_failure_policy=config.load_failure_policy,
             )

@@ -30,26 +30,43 @@ if TYPE_CHECKING:
 @attrs.define
 class Transfer:
     """A job of vLLM's offloading connector the worker runs: a load (CPU blocks into the
-    request's GPU blocks) or a store (GPU blocks out to CPU blocks), pair by pair."""
+    request's GPU blocks) or a store (GPU blocks out to CPU blocks), pair by pair; a CPU block
+    is a (chunk, block within it) pair."""
 
     job_id: int
     request_id: str
     load: bool
     gpu: list  # (group, block id) per pair
-    cpu: list  # CPU block id per pair
+    cpu: list  # (CPU chunk id, block within the chunk) per pair
 
 
-def transfer_from(job_id: int, job, load: bool) -> Transfer:
+def transfer_from(job_id: int, job, load: bool, blocks_per_chunk: int = 1) -> Transfer:
     """A job from the connector's metadata: ``transfer_spec`` (src, dst) up to 0.25.x,
-    ``src_spec``/``dst_spec`` from 0.30.0; the GPU side lists each group's blocks in turn."""
+    ``src_spec``/``dst_spec`` from 0.30.0; the GPU side lists each group's blocks in turn. With
+    chunks of several blocks (0.30.0 on) a group's first GPU block may start inside its first
+    chunk: the worker skips ``block_indices[g] % blocks_per_chunk`` blocks of it, and the group
+    takes ``ceil((skip + n) / blocks_per_chunk)`` chunks of the CPU side in turn (0.34.0
+    ``v1/kv_offload/pointer_utils.py``, ``iter_pointer_groups``; 0.30.0 ``cpu/gpu_worker.py``)."""
     src, dst = job.transfer_spec if hasattr(job, "transfer_spec") else (job.src_spec, job.dst_spec)
     gpu_spec, cpu_spec = (dst, src) if load else (src, dst)
-    gpu_ids, cpu_ids = [int(b) for b in gpu_spec.block_ids], [int(b) for b in cpu_spec.block_ids]
-    if len(gpu_ids) != len(cpu_ids):
-        raise NotImplementedError(f"offloaded blocks larger than GPU blocks: {len(gpu_ids)} vs {len(cpu_ids)}")
+    gpu_ids, chunk_ids = [int(b) for b in gpu_spec.block_ids], [int(b) for b in cpu_spec.block_ids]
     sizes = list(getattr(gpu_spec, "group_sizes", None) or [len(gpu_ids)])
-    groups = [g for g, n in enumerate(sizes) for _ in range(n)]
-    return Transfer(job_id, job.req_id, load, list(zip(groups, gpu_ids, strict=True)), cpu_ids)
+    firsts = list(gpu_spec.block_indices) if blocks_per_chunk > 1 else [0] * len(sizes)  # chunks: 0.30.0 on
+    gpu, cpu, start, taken = [], [], 0, 0
+    for group, (size, first) in enumerate(zip(sizes, firsts, strict=True)):
+        if size == 0:
+            continue
+        skip = first % blocks_per_chunk
+        for j, block in enumerate(gpu_ids[start : start + size]):
+            gpu.append((group, block))
+            cpu.append((chunk_ids[taken + (skip + j) // blocks_per_chunk], (skip + j) % blocks_per_chunk))
+        start, taken = start + size, taken + -(-(skip + size) // blocks_per_chunk)
+    if (start, taken) != (len(gpu_ids), len(chunk_ids)):
+        raise NotImplementedError(
+            f"a transfer of {len(gpu_ids)} GPU blocks over {len(chunk_ids)} chunks of {blocks_per_chunk}, "
+            f"which its groups ({sizes}, from {firsts}) do not account for"
+        )
+    return Transfer(job_id, job.req_id, load, gpu, cpu)
 
 
 @attrs.frozen
@@ -91,7 +108,7 @@ class OffloadWorker:
     _offload_tier: OffloadTier | None
 
     def _init_transfers(self) -> None:
-        self.offloaded: dict[int, list[int]] = {}  # CPU block id -> the GPU block's slots stored there
+        self.offloaded: dict[tuple[int, int], list[int]] = {}  # (chunk, block in it) -> the GPU block's slots
         self.transfers: dict[int, Transfer] = {}  # job id -> a transfer in flight
         self.stores_due: list[int] = []  # store jobs that complete after the next forward pass
         self.stored_early: set[int] = set()  # store jobs a flush in their own step ran before the pass
@@ -153,7 +170,7 @@ class OffloadWorker:
         the worker, which it flushes before this batch's pass (``_before_pass``)."""
         self._flush(meta)
         for job_id, job in meta.load_jobs.items():
-            self.transfers[job_id] = transfer_from(job_id, job, load=True)
+            self.transfers[job_id] = transfer_from(job_id, job, load=True, blocks_per_chunk=self.config.tier_chunk)
             if self.config.connector == "sync":
                 self.finish_load(job.req_id, ok=True)
 
@@ -170,7 +187,7 @@ class OffloadWorker:
         job on its last step, PR #42611); before, it waits only for the stores already submitted."""
         for job_id in getattr(meta, "jobs_to_flush", None) or ():
             if job_id in meta.store_jobs and job_id not in self.stored_early and self.stores_flushed_in_their_step:
-                self.transfers[job_id] = transfer_from(job_id, meta.store_jobs[job_id], load=False)
+                self.transfers[job_id] = transfer_from(job_id, meta.store_jobs[job_id], False, self.config.tier_chunk)
                 self.stored_early.add(job_id)
             if job_id in self.transfers and not self.transfers[job_id].load:
                 self._complete(job_id)
@@ -183,7 +200,7 @@ class OffloadWorker:
             if job_id in self.stored_early:
                 self.stored_early.discard(job_id)
                 continue
-            self.transfers[job_id] = transfer_from(job_id, job, load=False)
+            self.transfers[job_id] = transfer_from(job_id, job, load=False, blocks_per_chunk=self.config.tier_chunk)
             self.stores_due.append(job_id)
 
     def _complete(self, job_id: int, ok: bool = True) -> None:

@@ -189,6 +189,11 @@ def scheduler_refusal(config: EngineConfig) -> str | None:
             f"this vLLM has no asynchronous scheduler (vllm/v1/core/sched/async_scheduler.py), so it keeps one "
             f"batch in flight; pipeline_depth must be 1, got {config.pipeline_depth}"
         )
+    if config.tier_chunk > 1 and not takes_blocks_per_chunk():
+        return (
+            f"this vLLM's offloading connector has no blocks_per_chunk (0.30.0 on), so tier_chunk must be 1, got "
+            f"{config.tier_chunk}"
+        )
     if config.allocator.eagle:
         return (
             "the EAGLE drop is not driven through vLLM's scheduler (eagle must be False): it drafts by "
@@ -207,3 +212,14 @@ def takes_connector_with_state_groups() -> bool:
     ("External KV connector is not verified yet"). The release's source is read as text, once."""
     split = inspect.getsource(import_scheduler().Scheduler._mamba_block_aligned_split)
     return "External KV connector is not verified yet" not in split
+
+
+@functools.cache
+def takes_blocks_per_chunk() -> bool:
+    """Whether the offloading connector reads ``blocks_per_chunk`` from its extra configuration
+    (0.30.0 on: ``offloading/config.py``); before, it ignores the key and keeps one block per chunk."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading import config
+    except ImportError:
+        return False
+    return "blocks_per_chunk" in inspect.getsource(config)

@@ -69,6 +69,7 @@ class SchedulerEngine(SchedulerBatches, OwnLoopCalls, OffloadWorker, Engine):
     """kvprop's engine with vLLM's scheduler in charge of every step."""
 
     preempts_on_request = False  # vLLM's scheduler preempts by its own policy, under pressure
+    connector_class = None  # vLLM's own connector is in charge; kvprop plays its worker side
 
     def __init__(self, config: EngineConfig, device=None, hooks=None):
         self.recipe = Recipe()  # the calls that built the scheduler (kvprop report states them)
@@ -85,7 +86,6 @@ class SchedulerEngine(SchedulerBatches, OwnLoopCalls, OffloadWorker, Engine):
         # alone (check_enough_kv_cache_memory): the copies a hit inside a block takes are not
         # its caller's to reserve (docs/findings.md)
         self.copy_reserve = 0
-        self.connector = None  # vLLM's own connector is in charge; kvprop plays its worker side
         self.fence = None  # and vLLM's scheduler defers its own frees (SchedulerBatches.fenced_blocks)
         self._init_transfers()
         self.worker: dict[str, list[list[int]]] = {}  # request id -> the block ids the worker holds, per group

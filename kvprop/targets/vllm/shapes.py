@@ -17,6 +17,7 @@ from kvprop.targets.vllm.releases import (
     checkpoint_refusal,
     has_full_report,
     partial_hits_refusal,
+    takes_blocks_per_chunk,
     takes_connector_with_state_groups,
 )
 from kvprop.targets.vllm.spec_classes import release_layouts
@@ -39,7 +40,8 @@ def release_shapes() -> Shapes:
 # scheduler's in front of the manager, and SchedulerConfig.max_num_seqs for vLLM's own scheduler.
 MAPPED_OPTIONS = frozenset({"max_num_seqs"})
 # The CPU tier of vLLM's offloading connector behind its scheduler: its size and eviction policy
-# (cpu_bytes_to_use, eviction_policy; every release kvprop builds takes both, v1/kv_offload/cpu/spec.py).
+# (cpu_bytes_to_use, eviction_policy; every release kvprop builds takes both, v1/kv_offload/cpu/spec.py),
+# and from 0.30.0 its chunk (blocks_per_chunk, takes_blocks_per_chunk).
 TIER_OPTIONS = frozenset({"tier_blocks", "tier_policy"})
 
 
@@ -61,6 +63,7 @@ def scheduler_shapes() -> Shapes:
         # batches in flight through its asynchronous scheduler, where the release has one
         options=MAPPED_OPTIONS
         | TIER_OPTIONS
+        | ({"tier_chunk"} if takes_blocks_per_chunk() else set())
         | ({"pipeline_depth"} if import_scheduler().AsyncScheduler is not None else set()),
     )
 
