@@ -39,8 +39,6 @@ tables = {}  # request id -> the block ids the worker holds, per group
 GROUPS = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
 ATTENTION = [g for g, spec in enumerate(GROUPS) if type(spec).__name__ != "MambaSpec"]
 SIZE = scheduler.block_size
-TRANSFER = vllm_config.kv_transfer_config
-CHUNK = int((TRANSFER.kv_connector_extra_config or {}).get("blocks_per_chunk", 1)) if TRANSFER else 1
 
 
 def value(group, position, tokens):
@@ -137,6 +135,18 @@ def check():
 '''
 
 RUNNER = '''
+TRANSFER = vllm_config.kv_transfer_config
+CHUNK = int((TRANSFER.kv_connector_extra_config or {}).get("blocks_per_chunk", 1)) if TRANSFER else 1
+if CHUNK > 1:  # a release that ignores the key would run a tier of one block per chunk
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading import config as offloading_config
+
+        TAKES_CHUNKS = "blocks_per_chunk" in inspect.getsource(offloading_config)
+    except ImportError:
+        TAKES_CHUNKS = False
+    if not TAKES_CHUNKS:
+        print(f"vLLM {vllm.__version__}'s offloading connector takes no blocks_per_chunk: another release's API")
+        sys.exit(2)
 transfers = {}  # job id -> (request id, is a load, the job)
 in_flight = collections.deque()  # batches scheduled and not yet completed, newest first (DEPTH above 1)
 stores_due = []  # store jobs issued last step: they read their blocks after this step's pass
