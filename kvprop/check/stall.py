@@ -29,8 +29,6 @@ import attrs
 
 from kvprop.sim.request import Status
 
-CAUSES = ("load", "preemption", "admission", "schedule", "progress")
-
 
 @attrs.define
 class _Window:
@@ -66,8 +64,8 @@ class StallWatch:
         self.current.preempted.update(report.preempted)
         self.current.scheduled.update({rid: n for rid, n in report.scheduled.items() if n})
 
-    def cause_of(self, request) -> str:
-        seen = self.previous.add(self.current)
+    @staticmethod
+    def _cause_of(request, seen: _Window) -> str:
         rid = request.request_id
         if seen.loads[rid] >= 2:
             return "load"
@@ -79,4 +77,5 @@ class StallWatch:
 
     def cause(self, requests) -> str:
         """What the live ``requests`` wait for, one word per mechanism, sorted."""
-        return "+".join(sorted({self.cause_of(r) for r in requests}))
+        seen = self.previous.add(self.current)
+        return "+".join(sorted({self._cause_of(r, seen) for r in requests}))

@@ -235,6 +235,14 @@ def flushed(meta):
     return getattr(meta, "jobs_to_flush", None) or ()
 
 
+def hand_back(output, ids, sampled):
+    """The model runner's output for the batch ``output`` scheduled, with the worker's report."""
+    extra = {"req_id_to_index": {rid: i for i, rid in enumerate(ids)}} if INDEXED else {}
+    if scheduler.connector is not None:
+        extra["kv_connector_output"] = connector_output()
+    scheduler.update_from_output(output, ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, **extra))
+
+
 def step():
     """One engine step: schedule, run the connector's jobs and the model, hand the output back."""
     output = scheduler.schedule()
@@ -264,10 +272,7 @@ def step():
         num_tokens = lengths[request_id] = scheduler.requests[request_id].num_tokens
         reached = at[request_id] + output.num_scheduled_tokens[request_id] - len(drafts) >= num_tokens
         sampled.append(verified(request_id, num_tokens, drafts) if reached else [])
-    extra = {"req_id_to_index": {rid: i for i, rid in enumerate(ids)}} if INDEXED else {}
-    if scheduler.connector is not None:
-        extra["kv_connector_output"] = connector_output()
-    scheduler.update_from_output(output, ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, **extra))
+    hand_back(output, ids, sampled)
     proposals = {}
     for request_id, before in lengths.items():
         request = scheduler.requests.get(request_id)
@@ -314,7 +319,7 @@ try:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
 
     FLUSHES_OWN_STEP = "store_jobs.pop" in inspect.getsource(OffloadingConnectorWorker.handle_preemptions)
-except ImportError:  # before 0.30.0: only the stores already submitted are flushed
+except ImportError:  # a release whose worker lives elsewhere: only the stores already submitted are flushed
     FLUSHES_OWN_STEP = False
 
 
@@ -370,10 +375,7 @@ def finish(batch):
     sampled = [
         [TOKENS[rid][at[rid] + output.num_scheduled_tokens[rid]]] if samples[rid] else [] for rid in ids
     ]
-    extra = {"req_id_to_index": {rid: i for i, rid in enumerate(ids)}} if INDEXED else {}
-    if scheduler.connector is not None:
-        extra["kv_connector_output"] = connector_output()
-    scheduler.update_from_output(output, ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, **extra))
+    hand_back(output, ids, sampled)
 
 
 def step():

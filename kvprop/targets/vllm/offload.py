@@ -170,9 +170,13 @@ class OffloadWorker:
         the worker, which it flushes before this batch's pass (``_before_pass``)."""
         self._flush(meta)
         for job_id, job in meta.load_jobs.items():
-            self.transfers[job_id] = transfer_from(job_id, job, load=True, blocks_per_chunk=self.config.tier_chunk)
+            self.transfers[job_id] = self._transfer(job_id, job, load=True)
             if self.config.connector == "sync":
                 self.finish_load(job.req_id, ok=True)
+
+    def _transfer(self, job_id: int, job, load: bool) -> Transfer:
+        """A job of the connector's metadata, in the tier's chunks (``EngineConfig.tier_chunk``)."""
+        return transfer_from(job_id, job, load, self.config.tier_chunk)
 
     def _before_pass(self, meta) -> None:
         """Just before the batch's pass, where vLLM's worker flushes (``handle_preemptions``, in
@@ -187,7 +191,7 @@ class OffloadWorker:
         job on its last step, PR #42611); before, it waits only for the stores already submitted."""
         for job_id in getattr(meta, "jobs_to_flush", None) or ():
             if job_id in meta.store_jobs and job_id not in self.stored_early and self.stores_flushed_in_their_step:
-                self.transfers[job_id] = transfer_from(job_id, meta.store_jobs[job_id], False, self.config.tier_chunk)
+                self.transfers[job_id] = self._transfer(job_id, meta.store_jobs[job_id], load=False)
                 self.stored_early.add(job_id)
             if job_id in self.transfers and not self.transfers[job_id].load:
                 self._complete(job_id)
@@ -200,7 +204,7 @@ class OffloadWorker:
             if job_id in self.stored_early:
                 self.stored_early.discard(job_id)
                 continue
-            self.transfers[job_id] = transfer_from(job_id, job, load=False, blocks_per_chunk=self.config.tier_chunk)
+            self.transfers[job_id] = self._transfer(job_id, job, load=False)
             self.stores_due.append(job_id)
 
     def _complete(self, job_id: int, ok: bool = True) -> None:
